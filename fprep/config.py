@@ -1,0 +1,390 @@
+"""``PrepConfig``: what the user wants, validated once at construction.
+
+Every field is keyword-only and checked in ``__post_init__``; a bad value is a ``ConfigError``
+that names the field, the allowed values and, for a near miss, the value that was probably meant.
+The config round-trips through a plain dict (``to_dict`` / ``from_dict``): classes and functions
+are written as ``"module:qualname"`` import strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias, get_args
+
+from torch import nn
+
+from fprep.errors import ConfigError
+from fprep.snapshot import ModuleInfo
+
+Strategy = Literal["auto", "none", "ddp", "fast_ddp", "fsdp", "hsdp"]
+Sharding = Literal["full", "grad_op"]
+Precision = Literal["no", "fp16", "bf16", "fp8"]
+Offload = Literal["none", "cpu"]
+CompileMode = Literal["none", "whole", "regional"]
+StateDictType = Literal["sharded", "full"]
+FloatDType = Literal["float32", "bfloat16", "float16"]
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+
+#: A wrap policy: module classes (or their names), a minimum parameter count, or a predicate over
+#: a module's snapshot (``ModuleInfo``), so that wrapping is decided without touching the model.
+WrapPolicy: TypeAlias = (
+    "int | type[nn.Module] | str | tuple[type[nn.Module] | str, ...]"
+    " | Callable[[ModuleInfo], bool] | None"
+)
+ParamInitFn: TypeAlias = Callable[[nn.Module], None]
+
+
+# -- small validators ------------------------------------------------------------------------
+def _fail(owner: str, name: str, message: str, hint: str = "") -> ConfigError:
+    return ConfigError(f"{owner}.{name} {message}", subject=name, hint=hint)
+
+
+def _check_choice(owner: str, name: str, value: object, literal: object) -> None:
+    allowed = get_args(literal)
+    if value in allowed and isinstance(value, str):
+        return
+    close = (
+        difflib.get_close_matches(value, [str(a) for a in allowed], n=1)
+        if isinstance(value, str)
+        else []
+    )
+    raise _fail(
+        owner,
+        name,
+        f"must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}.",
+        f"Did you mean {close[0]!r}?" if close else "",
+    )
+
+
+def _check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise _fail(owner, name, f"must be True or False; got {value!r}.")
+
+
+def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _fail(owner, name, f"must be an int >= {minimum}; got {value!r}.")
+
+
+def _check_number(owner: str, name: str, value: object, *, positive: bool = True) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or (positive and value <= 0):
+        raise _fail(owner, name, f"must be a positive number; got {value!r}.")
+
+
+def _names_tuple(owner: str, name: str, value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise _fail(
+            owner,
+            name,
+            f"must be a sequence of FQNs, not a single string; got {value!r}.",
+            f"Write {name}=({value!r},).",
+        )
+    try:
+        items: tuple[object, ...] = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _fail(owner, name, f"must be a sequence of FQN strings; got {value!r}.") from None
+    for item in items:
+        if not isinstance(item, str):
+            raise _fail(
+                owner,
+                name,
+                f"must contain FQN strings; got {type(item).__qualname__} {item!r}.",
+                "Name modules and parameters by their FQN as in model.named_modules() / "
+                "model.named_parameters(), e.g. 'layers.0.attn'.",
+            )
+    return items  # type: ignore[return-value]  # checked element by element above
+
+
+# -- import strings for classes and functions ---------------------------------------------------
+def import_string(obj: object, field_name: str) -> str:
+    """``"module:qualname"`` for a class or module-level function that imports back to itself."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if module and qualname and "<" not in qualname:
+        try:
+            if resolve_import_string(f"{module}:{qualname}", field_name) is obj:
+                return f"{module}:{qualname}"
+        except ConfigError:
+            pass
+    raise ConfigError(
+        f"PrepConfig.{field_name} holds {obj!r}, which cannot be written to a dict.",
+        subject=field_name,
+        hint="Use a module-level class or function (not a lambda or a local definition).",
+    )
+
+
+def resolve_import_string(text: str, field_name: str) -> Any:
+    module_name, _, qualname = text.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(
+            f"PrepConfig.{field_name}: cannot import {text!r} ({e}).",
+            subject=field_name,
+            hint="Write classes and functions as 'package.module:QualName'.",
+        ) from None
+    return obj
+
+
+def _normalize_wrap(value: object) -> WrapPolicy:
+    owner, name = "PrepConfig", "wrap"
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _fail(owner, name, f"must be classes, a parameter count or a callable; got {value}.")
+    if isinstance(value, int):
+        _check_int(owner, name, value, minimum=1)
+        return value
+    if isinstance(value, type | str):
+        value = (value,)
+    if isinstance(value, list | tuple | set | frozenset):
+        items: list[type[nn.Module] | str] = []
+        for item in value:
+            if isinstance(item, str) and ":" in item:
+                item = resolve_import_string(item, name)
+            if (isinstance(item, type) and issubclass(item, nn.Module)) or (
+                isinstance(item, str) and item
+            ):
+                items.append(item)
+            else:
+                raise _fail(
+                    owner,
+                    name,
+                    f"classes must be nn.Module subclasses or class names; got {item!r}.",
+                )
+        if not items:
+            raise _fail(owner, name, "is an empty collection of classes.", "Use wrap=None.")
+        return tuple(items)
+    if callable(value):
+        return value
+    raise _fail(
+        owner,
+        name,
+        f"must be a module class, a tuple of classes, a minimum parameter count, or a "
+        f"callable(ModuleInfo) -> bool; got {value!r}.",
+    )
+
+
+def wrap_class_names(wrap: WrapPolicy) -> tuple[str, ...]:
+    """The qualified (or bare) class names a class-based wrap policy matches."""
+    if not isinstance(wrap, tuple):
+        return ()
+    return tuple(w if isinstance(w, str) else f"{w.__module__}.{w.__qualname__}" for w in wrap)
+
+
+# -- the config ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """Options for ``DistributedDataParallel`` (strategy ``"ddp"``)."""
+
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+    comm_hook: CommHook = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+
+    def __post_init__(self) -> None:
+        owner = "DDPOptions"
+        _check_number(owner, "bucket_cap_mb", self.bucket_cap_mb)
+        for name in (
+            "find_unused_parameters",
+            "static_graph",
+            "gradient_as_bucket_view",
+            "broadcast_buffers",
+        ):
+            _check_bool(owner, name, getattr(self, name))
+        _check_choice(owner, "comm_hook", self.comm_hook, CommHook)
+        _check_int(owner, "powersgd_rank", self.powersgd_rank, minimum=1)
+        _check_int(owner, "powersgd_start_iter", self.powersgd_start_iter, minimum=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepConfig:
+    """How to prepare a model. See docs/config.md for every field."""
+
+    # what kind of parallelism
+    strategy: Strategy = "auto"
+    sharding: Sharding = "full"
+    reshard_after_forward: bool | int | None = None
+    hsdp_shard_size: int | None = None
+    # precision
+    precision: Precision = "no"
+    reduce_dtype: FloatDType | None = None
+    # wrapping and what to leave alone
+    wrap: WrapPolicy = None
+    ignored_modules: tuple[str, ...] = ()
+    ignored_params: tuple[str, ...] = ()
+    # devices and memory
+    device: str | None = None
+    device_placement: bool = True
+    offload: Offload = "none"
+    # prefetching (in wrap units)
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+    # activation checkpointing and compilation
+    activation_checkpointing: bool = False
+    compile: CompileMode = "none"
+    compile_backend: str | None = None
+    compile_mode: str | None = None
+    # replication
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    fast_ddp_dtype: FloatDType = "float32"
+    # initialization
+    sync_module_states: bool = False
+    param_init_fn: ParamInitFn | None = None
+    reproducible_init: bool = True
+    seed: int | None = None
+    # checkpoints and process groups
+    state_dict_type: StateDictType = "sharded"
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        o = "PrepConfig"
+        _check_choice(o, "strategy", self.strategy, Strategy)
+        _check_choice(o, "sharding", self.sharding, Sharding)
+        raf = self.reshard_after_forward
+        if raf is not None and not isinstance(raf, bool):
+            _check_int(o, "reshard_after_forward", raf, minimum=1)
+        if isinstance(raf, bool) and raf != (self.sharding == "full"):
+            raise _fail(
+                o,
+                "reshard_after_forward",
+                f"={raf} contradicts sharding={self.sharding!r}.",
+                "Set one of them: sharding='full' reshards after forward, 'grad_op' does not.",
+            )
+        if self.hsdp_shard_size is not None:
+            _check_int(o, "hsdp_shard_size", self.hsdp_shard_size, minimum=1)
+        _check_choice(o, "precision", self.precision, Precision)
+        if self.reduce_dtype is not None:
+            _check_choice(o, "reduce_dtype", self.reduce_dtype, FloatDType)
+        object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
+        for name in ("ignored_modules", "ignored_params"):
+            object.__setattr__(self, name, _names_tuple(o, name, getattr(self, name)))
+        if self.ignored_modules and self.ignored_params:
+            raise _fail(
+                o,
+                "ignored_params",
+                "cannot be combined with ignored_modules.",
+                "Ignore whole modules or individual parameters, not both: list the modules' "
+                "parameters in ignored_params instead.",
+            )
+        if self.device is not None:
+            _check_device(self.device)
+        for name in (
+            "device_placement",
+            "activation_checkpointing",
+            "sync_module_states",
+            "reproducible_init",
+        ):
+            _check_bool(o, name, getattr(self, name))
+        _check_choice(o, "offload", self.offload, Offload)
+        _check_int(o, "forward_prefetch", self.forward_prefetch, minimum=0)
+        _check_int(o, "backward_prefetch", self.backward_prefetch, minimum=0)
+        _check_choice(o, "compile", self.compile, CompileMode)
+        for name in ("compile_backend", "compile_mode"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _fail(o, name, f"must be a non-empty string or None; got {value!r}.")
+        if isinstance(self.ddp, Mapping):
+            object.__setattr__(self, "ddp", _build(DDPOptions, self.ddp, "PrepConfig.ddp"))
+        if not isinstance(self.ddp, DDPOptions):
+            raise _fail(o, "ddp", f"must be a DDPOptions or a dict; got {self.ddp!r}.")
+        _check_choice(o, "fast_ddp_dtype", self.fast_ddp_dtype, FloatDType)
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise _fail(
+                o,
+                "param_init_fn",
+                f"must be callable (module) -> None; got {type(self.param_init_fn).__qualname__}.",
+            )
+        if self.seed is not None:
+            _check_int(o, "seed", self.seed, minimum=0)
+        _check_choice(o, "state_dict_type", self.state_dict_type, StateDictType)
+        _check_number(o, "timeout_s", self.timeout_s)
+
+    # -- conveniences ----------------------------------------------------------------------
+    def replace(self, **changes: Any) -> PrepConfig:
+        """A copy with some fields changed (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def effective_reshard_after_forward(self) -> bool | int:
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.sharding == "full"
+
+    # -- dict round trip -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-compatible): classes and functions become import strings."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "ddp":
+                value = dataclasses.asdict(value)
+            elif f.name == "wrap":
+                value = _wrap_to_plain(value)
+            elif f.name == "param_init_fn" and value is not None:
+                value = import_string(value, "param_init_fn")
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrepConfig:
+        """Inverse of ``to_dict``; unknown keys are a ``ConfigError`` (with a suggestion)."""
+        data = dict(data)
+        init = data.get("param_init_fn")
+        if isinstance(init, str):
+            data["param_init_fn"] = resolve_import_string(init, "param_init_fn")
+        wrap = data.get("wrap")
+        if isinstance(wrap, str) and ":" in wrap:
+            resolved = resolve_import_string(wrap, "wrap")
+            data["wrap"] = resolved
+        config: PrepConfig = _build(cls, data, "PrepConfig")
+        return config
+
+
+def _wrap_to_plain(value: WrapPolicy) -> Any:
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, tuple):
+        return [w if isinstance(w, str) else import_string(w, "wrap") for w in value]
+    return import_string(value, "wrap")
+
+
+def _build(cls: Any, data: Mapping[str, Any], owner: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            raise ConfigError(
+                f"{owner} has no field {key!r}.",
+                subject=str(key),
+                hint=f"Did you mean {close[0]!r}?" if close else f"Fields: {', '.join(names)}.",
+            )
+    return cls(**data)
+
+
+def _check_device(device: object) -> None:
+    from fprep.topology import DEVICE_TYPES
+
+    ok = isinstance(device, str)
+    if ok:
+        kind, _, index = str(device).partition(":")
+        ok = kind in DEVICE_TYPES and (index == "" or index.isdigit())
+    if not ok:
+        raise ConfigError(
+            f"PrepConfig.device must be a device string like 'cpu', 'cuda', 'cuda:1', 'hpu'; "
+            f"got {device!r}.",
+            subject="device",
+            hint=f"Device types: {', '.join(DEVICE_TYPES)}.",
+        )

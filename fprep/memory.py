@@ -1,0 +1,65 @@
+"""Per-rank memory estimate from a plan: parameters, gradients, optimizer state, in bytes.
+
+Counts what the engines allocate for the planned dtypes: FSDP2 keeps the padded dim-0 shard of
+each parameter (and, with CPU offload, on the host), sharded gradients of the same size, and
+optimizer state over the shard; DDP and fast_ddp keep everything whole. The transient all-gather
+of the largest unit (in the compute dtype) is reported separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fprep.snapshot import dtype_bytes
+from fprep.state import PrepState, need
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    params: int
+    grads: int
+    adam: int  # Adam / AdamW: two states per trainable element
+    sgd_momentum: int  # SGD with momentum: one state per trainable element
+    largest_unit_unsharded: int  # transient all-gather of the biggest unit
+    fused_grad_buffer: int  # fast_ddp's flat all-reduce buffer
+    on_host: bool  # parameters, gradients and optimizer state live in host memory (offload)
+
+    def total(self, optimizer: str = "adam") -> int:
+        """Steady-state bytes with the given optimizer ("adam", "sgd_momentum" or "sgd")."""
+        states = {"adam": self.adam, "sgd_momentum": self.sgd_momentum, "sgd": 0}[optimizer]
+        return self.params + self.grads + states
+
+
+def estimate_memory(state: PrepState) -> MemoryEstimate:
+    handles = need(state.param_handles, "init_param_handles", "estimate_memory")
+    core = need(state.core, "init_core", "estimate_memory")
+    runtime = need(state.runtime, "init_runtime", "estimate_memory")
+    params = grads = trainable = largest = fused = 0
+    compute = core.precision.param_dtype
+    for unit in handles.units:
+        unsharded = 0
+        for p in unit.params:
+            size = dtype_bytes(p.dtype)
+            params += p.padded_numel * size
+            if p.requires_grad:
+                grads += p.padded_numel * size
+                trainable += p.padded_numel * size
+                if runtime.fast_ddp_dtype is not None:
+                    fused += p.numel * dtype_bytes(runtime.fast_ddp_dtype)
+            unsharded += p.numel * dtype_bytes(compute or p.dtype)
+        if core.is_sharded:
+            largest = max(largest, unsharded)
+    for p in handles.ignored:
+        params += p.numel * dtype_bytes(p.dtype)
+        if p.requires_grad:
+            grads += p.numel * dtype_bytes(p.dtype)
+            trainable += p.numel * dtype_bytes(p.dtype)
+    return MemoryEstimate(
+        params=params,
+        grads=grads,
+        adam=2 * trainable,
+        sgd_momentum=trainable,
+        largest_unit_unsharded=largest,
+        fused_grad_buffer=fused,
+        on_host=core.offload == "cpu",
+    )

@@ -1,0 +1,320 @@
+"""Snapshots: everything the plan needs to know about a model, as plain immutable data.
+
+``ModuleTree.of(model)`` walks the module once (O(modules + parameters + buffers)) and never reads
+tensor data, so it is as cheap on a 405B-parameter model built on the meta device as on a toy one.
+Because a ``ModuleTree`` is plain data, hypothesis can generate thousands of them without building
+a single ``nn.Module`` (see ``fprep.testing.strategies``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from fprep.errors import ModelError
+
+#: Module names that wrappers insert into FQNs; dropping them gives the user's original names.
+WRAPPER_PARTS: frozenset[str] = frozenset(
+    {
+        "_orig_mod",  # torch.compile's OptimizedModule
+        "_checkpoint_wrapped_module",  # activation-checkpoint wrapper
+        "_fsdp_wrapped_module",  # FSDP1
+    }
+)
+
+_SHARDED_MARKERS = (
+    "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+)
+_REPLICATED_MARKERS = ("torch.nn.parallel.distributed.DistributedDataParallel",)
+
+#: Attribute that ``prepare`` sets on a model it has prepared (so a second prepare is refused).
+PREPARED_ATTR = "_fprep_prepared"
+
+DTYPE_BYTES: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the spelling snapshots use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype given by name (unknown dtypes count as 4)."""
+    return DTYPE_BYTES.get(name, 4)
+
+
+def clean_fqn(fqn: str) -> str:
+    """The user's original name of a parameter or module, with wrapper parts removed."""
+    if "_" not in fqn:
+        return fqn
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_PARTS)
+
+
+def join_fqn(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def parent_fqn(fqn: str) -> str:
+    """``"a.b.c"`` -> ``"a.b"``; the root's parent is the root (``""``)."""
+    return fqn.rpartition(".")[0]
+
+
+def is_within(fqn: str, ancestor: str) -> bool:
+    """Whether module ``fqn`` is ``ancestor`` or lies in its subtree."""
+    return ancestor == "" or fqn == ancestor or fqn.startswith(ancestor + ".")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """One parameter object; tied parameters appear once with every name they are reachable by."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    device: str = "cpu"
+    requires_grad: bool = True
+
+    @property
+    def fqn(self) -> str:
+        """Canonical name: the first name in registration (state-dict) order."""
+        return self.names[0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_meta(self) -> bool:
+        return self.device == "meta"
+
+    @property
+    def is_tied(self) -> bool:
+        return len(self.names) > 1
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        """FQNs of the modules that register this parameter (more than one when tied)."""
+        return tuple(dict.fromkeys(parent_fqn(n) for n in self.names))
+
+
+@dataclass(frozen=True, slots=True)
+class BufferInfo:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    device: str = "cpu"
+    persistent: bool = True
+
+    @property
+    def is_meta(self) -> bool:
+        return self.device == "meta"
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    """One module position in the tree (a module reachable by two paths appears twice)."""
+
+    fqn: str
+    cls: str
+    mro: tuple[str, ...] = ()
+    children: tuple[str, ...] = ()
+    param_names: tuple[str, ...] = ()  # local names of directly registered parameters
+    buffer_names: tuple[str, ...] = ()  # local names of directly registered buffers
+    has_reset_parameters: bool = True
+
+    @property
+    def class_name(self) -> str:
+        """Bare class name (``"Linear"``), as Accelerate's ``transformer_layer_cls_to_wrap``."""
+        return self.cls.rpartition(".")[2]
+
+    def is_a(self, qualified_or_bare: str) -> bool:
+        """Whether the module's class or one of its bases has this name (bare or qualified)."""
+        names = self.mro or (self.cls,)
+        if "." in qualified_or_bare:
+            return qualified_or_bare in names
+        return any(n.rpartition(".")[2] == qualified_or_bare for n in names)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Already managed by FSDP (FSDP2 ``fully_shard`` or the FSDP1 wrapper)."""
+        return any(m in self.mro for m in _SHARDED_MARKERS)
+
+    @property
+    def is_replicated(self) -> bool:
+        return any(m in self.mro for m in _REPLICATED_MARKERS)
+
+
+@dataclass(frozen=True)
+class ModuleTree:
+    """A model's structure: modules in pre-order (root first), unique parameters, buffers.
+
+    ``hf_device_map`` and ``quantization`` carry the Hugging Face loading facts that the seeds
+    check (a model dispatched with ``device_map`` or loaded in 8/4 bit), so those checks are
+    decidable from the snapshot too.
+    """
+
+    modules: tuple[ModuleInfo, ...]
+    params: tuple[ParamInfo, ...] = ()
+    buffers: tuple[BufferInfo, ...] = ()
+    hf_device_map: tuple[tuple[str, str], ...] | None = None
+    quantization: Literal["8bit", "4bit"] | None = None
+    prepared: bool = False
+    _module_index: dict[str, ModuleInfo] = field(init=False, repr=False, compare=False, hash=False)
+    _param_index: dict[str, ParamInfo] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.modules or self.modules[0].fqn != "":
+            raise ModelError(
+                "A ModuleTree needs its root module first, with FQN ''.", subject="modules"
+            )
+        module_index = {m.fqn: m for m in self.modules}
+        param_index: dict[str, ParamInfo] = {}
+        for p in self.params:
+            for name in p.names:
+                param_index[name] = p
+        object.__setattr__(self, "_module_index", module_index)
+        object.__setattr__(self, "_param_index", param_index)
+
+    # -- lookups ---------------------------------------------------------------------------
+    @property
+    def root(self) -> ModuleInfo:
+        return self.modules[0]
+
+    def module(self, fqn: str) -> ModuleInfo | None:
+        return self._module_index.get(fqn)
+
+    def param(self, name: str) -> ParamInfo | None:
+        """The parameter reachable by ``name`` (any of a tied parameter's names)."""
+        return self._param_index.get(name)
+
+    def has_module(self, fqn: str) -> bool:
+        return fqn in self._module_index
+
+    def subtree(self, fqn: str) -> Iterator[ModuleInfo]:
+        """``fqn`` and every module below it, in pre-order."""
+        for m in self.modules:
+            if is_within(m.fqn, fqn):
+                yield m
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def is_meta(self) -> bool:
+        return any(p.is_meta for p in self.params) or any(b.is_meta for b in self.buffers)
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def of(cls, model: nn.Module) -> ModuleTree:
+        """Snapshot ``model`` in one walk. Reads metadata only (shape, dtype, device)."""
+        if not isinstance(model, nn.Module):
+            raise ModelError(
+                f"fprep prepares torch.nn.Module objects; got {type(model).__qualname__}.",
+                subject="model",
+                hint="Pass the model itself (an nn.Module) as the first argument.",
+            )
+        modules: list[ModuleInfo] = []
+        params: dict[int, tuple[list[str], torch.Tensor]] = {}
+        buffers: list[BufferInfo] = []
+        mro_cache: dict[type, tuple[str, ...]] = {}
+
+        stack: list[tuple[str, nn.Module]] = [("", model)]
+        while stack:
+            prefix, mod = stack.pop()
+            kind = type(mod)
+            mro = mro_cache.get(kind)
+            if mro is None:
+                mro = tuple(f"{k.__module__}.{k.__qualname__}" for k in kind.__mro__)
+                mro_cache[kind] = mro
+            param_names: list[str] = []
+            for name, p in mod._parameters.items():
+                if p is None:
+                    continue
+                param_names.append(name)
+                full = join_fqn(prefix, name)
+                seen = params.get(id(p))
+                if seen is None:
+                    params[id(p)] = ([full], p)
+                else:
+                    seen[0].append(full)
+            non_persistent = mod._non_persistent_buffers_set
+            buffer_names: list[str] = []
+            for name, b in mod._buffers.items():
+                if b is None:
+                    continue
+                buffer_names.append(name)
+                buffers.append(
+                    BufferInfo(
+                        fqn=join_fqn(prefix, name),
+                        shape=tuple(b.shape),
+                        dtype=dtype_name(b.dtype),
+                        device=str(b.device),
+                        persistent=name not in non_persistent,
+                    )
+                )
+            children = [(join_fqn(prefix, n), c) for n, c in mod._modules.items() if c is not None]
+            modules.append(
+                ModuleInfo(
+                    fqn=prefix,
+                    cls=mro[0],
+                    mro=mro,
+                    children=tuple(fqn for fqn, _ in children),
+                    param_names=tuple(param_names),
+                    buffer_names=tuple(buffer_names),
+                    has_reset_parameters=callable(getattr(kind, "reset_parameters", None)),
+                )
+            )
+            stack.extend(reversed(children))
+
+        param_infos = tuple(
+            ParamInfo(
+                names=tuple(names),
+                shape=tuple(p.shape),
+                dtype=dtype_name(p.dtype),
+                device=str(p.device),
+                requires_grad=p.requires_grad,
+            )
+            for names, p in params.values()
+        )
+        device_map = getattr(model, "hf_device_map", None)
+        quant: Literal["8bit", "4bit"] | None = None
+        if getattr(model, "is_loaded_in_8bit", False):
+            quant = "8bit"
+        elif getattr(model, "is_loaded_in_4bit", False):
+            quant = "4bit"
+        return cls(
+            modules=tuple(modules),
+            params=param_infos,
+            buffers=tuple(buffers),
+            hf_device_map=(
+                tuple((str(k), str(v)) for k, v in device_map.items())
+                if isinstance(device_map, Mapping)
+                else None
+            ),
+            quantization=quant,
+            prepared=bool(getattr(model, PREPARED_ATTR, False)),
+        )

@@ -1,0 +1,360 @@
+"""``PrepState``: every decision of a preparation, as frozen, hashable, comparable data.
+
+The state starts from its inputs (module tree, topology, config, and a snapshot of any process
+group or mesh the user passed) and gains one sub-state per ``init_*`` transition. Sub-states are
+``None`` until their transition ran; a transition that needs one that is missing returns a
+``PlanOrderError`` failure. Handles (process groups, meshes, the model) are never stored here:
+the prepare steps keep them in a separate runtime object, so plans stay comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from fprep.config import PrepConfig
+from fprep.errors import PlanOrderError
+from fprep.snapshot import ModuleTree
+from fprep.topology import Topology
+
+T = TypeVar("T")
+
+ResolvedStrategy = Literal["none", "ddp", "fast_ddp", "fsdp", "hsdp"]
+
+
+# -- snapshots of handles the user may pass ------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """A process group as data: its size and this process's rank in it."""
+
+    size: int
+    rank: int
+    ranks: tuple[int, ...] | None = None  # global ranks of the members, when known
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """A DeviceMesh as data.
+
+    ``shape`` / ``dim_names`` / ``coordinate`` describe the mesh given for data parallelism;
+    ``root_shape`` / ``root_dim_names`` the mesh it was sliced from (equal when not a slice).
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...] | None = None
+    coordinate: tuple[int, ...] = ()
+    ranks: tuple[int, ...] | None = None  # global ranks, row-major; None means range(size)
+    root_shape: tuple[int, ...] | None = None
+    root_dim_names: tuple[str, ...] | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_slice(self) -> bool:
+        return self.root_shape is not None and self.root_shape != self.shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    tree: ModuleTree
+    topology: Topology
+    config: PrepConfig
+    process_group: GroupSpec | None = None
+    mesh: MeshSpec | None = None
+
+
+# -- one sub-state per transition ----------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ProcessGroupState:
+    """Who shards with whom. For 1-D worlds the shard group is the data-parallel group."""
+
+    world_size: int
+    rank: int
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    coordinate: tuple[int, ...]
+    shard_group: tuple[int, ...]  # ranks this rank shards parameters with (intra-node for hsdp)
+    replicate_group: tuple[int, ...]  # ranks holding the same shard (inter-node for hsdp)
+    gradient_predivide_factor: float
+    gradient_postdivide_factor: float
+
+    @property
+    def shard_size(self) -> int:
+        return len(self.shard_group)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.shard_group.index(self.rank)
+
+    @property
+    def replicate_size(self) -> int:
+        return len(self.replicate_group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IgnoredState:
+    modules: frozenset[str]  # closed under submodules
+    params: frozenset[str]  # every name of every ignored parameter
+    buffers: frozenset[str]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceState:
+    device_type: str
+    compute_device: str  # e.g. "cpu", "cuda:3", "hpu"
+    source: Literal["config", "parameters", "accelerator", "cpu"]
+    backend: str  # process-group backend for this device type (gloo, nccl, hccl, xccl)
+    param_devices: tuple[str, ...]  # distinct devices the managed parameters are on now
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferState:
+    dtypes: tuple[tuple[str, str], ...]  # (buffer FQN, original dtype), sorted by FQN
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.dtypes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """Dtypes by role. ``None`` means "leave as is" (fp32 training)."""
+
+    param_dtype: str | None = None  # compute dtype of parameters (FSDP all-gather dtype)
+    reduce_dtype: str | None = None  # gradient reduction dtype
+    output_dtype: str | None = "float32"  # what forward returns
+    autocast_dtype: str | None = None  # autocast region dtype for non-FSDP strategies
+    grad_scaling: bool = False  # fp16 needs a gradient scaler
+    fp8: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreState:
+    requested_strategy: str
+    strategy: ResolvedStrategy
+    reshard_after_forward: bool | int
+    precision: PrecisionPolicy
+    offload: Literal["none", "cpu"]
+    pin_memory: bool
+    training_state: Literal["idle"] = "idle"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.strategy in ("fsdp", "hsdp")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.strategy != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeState:
+    sync_gradients: bool
+    comm_hook: str  # "none", "fp16", "bf16", "bf16_gloo" (our path on gloo), "powersgd"
+    ddp_kwargs: tuple[tuple[str, object], ...]
+    fast_ddp_dtype: str | None  # fused all-reduce buffer dtype when strategy is fast_ddp
+    fast_ddp_scale: float | None  # 1 / world size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtensionState:
+    """Set when the data-parallel mesh is a slice of a larger one (e.g. DP x TP)."""
+
+    is_slice: bool
+    root_shape: tuple[int, ...] | None = None
+    root_dim_names: tuple[str, ...] | None = None
+    other_dims: tuple[str, ...] = ()  # the root's dimensions not used for data parallelism
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateDictState:
+    type: Literal["sharded", "full"]
+    cpu_offload: bool
+    full_on_rank0_only: bool  # full state dicts are gathered on rank 0 only
+    broadcast_from_rank0: bool  # full loads read on rank 0 and broadcast
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSpec:
+    """One managed parameter and what this rank holds of it."""
+
+    fqn: str
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str  # storage dtype of the (sharded) parameter
+    local_shape: tuple[int, ...]  # this rank's unpadded shard
+    padded_shape: tuple[int, ...]  # this rank's allocation (padded to an even chunk)
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.shape)
+
+    @property
+    def local_numel(self) -> int:
+        return _prod(self.local_shape)
+
+    @property
+    def padded_numel(self) -> int:
+        return _prod(self.padded_shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WrapUnit:
+    """A module that gets its own FSDP parameter group (or checkpoint / compile region)."""
+
+    fqn: str
+    cls: str
+    params: tuple[ShardSpec, ...]
+    reshard_after_forward: bool | int
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaterializePlan:
+    """How meta-device parameters become real: which modules, and by what."""
+
+    method: Literal["none", "param_init_fn", "reset_parameters"]
+    modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamHandleState:
+    units: tuple[WrapUnit, ...]  # application order: inner units first, the root last
+    ignored: tuple[ShardSpec, ...]  # ignored parameters: full copy on every rank
+    materialize: MaterializePlan
+
+    def unit(self, fqn: str) -> WrapUnit | None:
+        return next((u for u in self.units if u.fqn == fqn), None)
+
+    @property
+    def specs(self) -> tuple[ShardSpec, ...]:
+        return tuple(p for u in self.units for p in u.params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchState:
+    """Explicit prefetch lists: unit FQN -> the units it prefetches."""
+
+    forward: tuple[tuple[str, tuple[str, ...]], ...]
+    backward: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepState:
+    """The complete, frozen plan. ``fprep.plan`` returns it; ``prepare`` applies it."""
+
+    inputs: PlanInputs
+    process_group: ProcessGroupState | None = None
+    ignored: IgnoredState | None = None
+    device: DeviceState | None = None
+    buffers: BufferState | None = None
+    core: CoreState | None = None
+    runtime: RuntimeState | None = None
+    extension: ExtensionState | None = None
+    state_dict: StateDictState | None = None
+    param_handles: ParamHandleState | None = None
+    prefetching: PrefetchState | None = None
+    applied: tuple[str, ...] = ()  # names of the prepare steps that ran, in order
+
+    @classmethod
+    def initial(
+        cls,
+        tree: ModuleTree,
+        config: PrepConfig,
+        topology: Topology | None = None,
+        *,
+        process_group: GroupSpec | None = None,
+        mesh: MeshSpec | None = None,
+    ) -> PrepState:
+        return cls(
+            inputs=PlanInputs(
+                tree=tree,
+                topology=topology or Topology(),
+                config=config,
+                process_group=process_group,
+                mesh=mesh,
+            )
+        )
+
+    # shorthands
+    @property
+    def tree(self) -> ModuleTree:
+        return self.inputs.tree
+
+    @property
+    def config(self) -> PrepConfig:
+        return self.inputs.config
+
+    @property
+    def topology(self) -> Topology:
+        return self.inputs.topology
+
+    @property
+    def is_complete(self) -> bool:
+        return all(getattr(self, name) is not None for name in SUBSTATES)
+
+    def replace(self, **changes: object) -> PrepState:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def summary(self) -> str:
+        from fprep.summary import summarize
+
+        return summarize(self)
+
+    def __repr__(self) -> str:
+        done = [n for n in SUBSTATES if getattr(self, n) is not None]
+        core = self.core
+        strategy = core.strategy if core else self.config.strategy
+        return (
+            f"PrepState(strategy={strategy!r}, world_size={self.topology.world_size}, "
+            f"rank={self.topology.rank}, modules={len(self.tree.modules)}, "
+            f"params={len(self.tree.params)}, planned={done}, applied={list(self.applied)})"
+        )
+
+
+#: Sub-state field names in pipeline order.
+SUBSTATES: tuple[str, ...] = (
+    "process_group",
+    "ignored",
+    "device",
+    "buffers",
+    "core",
+    "runtime",
+    "extension",
+    "state_dict",
+    "param_handles",
+    "prefetching",
+)
+
+
+def need(value: T | None, transition: str, needed_by: str) -> T:
+    """The sub-state ``value`` or a ``PlanOrderError`` saying which transition must run first."""
+    if value is None:
+        raise PlanOrderError(
+            f"{needed_by} needs {transition} to have run first.",
+            subject=transition,
+            hint="Compose transitions in the order of fprep.DEFAULT_TRANSITIONS.",
+        )
+    return value
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

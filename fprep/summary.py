@@ -1,0 +1,81 @@
+"""A human summary of a plan: what will happen, on which devices, and what it costs this rank."""
+
+from __future__ import annotations
+
+from fprep.state import PrepState
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def summarize(state: PrepState) -> str:
+    from fprep.memory import estimate_memory
+
+    topo, tree = state.topology, state.tree
+    lines = [
+        f"fprep plan — rank {topo.rank} of {topo.world_size} "
+        f"({topo.num_nodes} node(s) x {topo.local_world_size})",
+        f"  model       {tree.root.class_name}: {human_count(tree.numel)} parameters in "
+        f"{len(tree.params)} tensors, {len(tree.modules)} modules"
+        + (" (meta)" if tree.is_meta else ""),
+    ]
+    if state.core is not None:
+        core = state.core
+        strategy: str = core.strategy
+        if core.requested_strategy != strategy:
+            strategy += f" (requested {core.requested_strategy})"
+        lines.append(f"  strategy    {strategy}")
+        prec = core.precision
+        lines.append(
+            "  precision   "
+            + (state.config.precision if state.config.precision != "no" else "fp32")
+            + (f", params {prec.param_dtype}" if prec.param_dtype else "")
+            + (f", reduce {prec.reduce_dtype}" if prec.reduce_dtype else "")
+            + (f", autocast {prec.autocast_dtype}" if prec.autocast_dtype else "")
+            + (", grad scaling" if prec.grad_scaling else "")
+        )
+    if state.process_group is not None:
+        pg = state.process_group
+        names = "x".join(f"{n}={s}" for n, s in zip(pg.mesh_dim_names, pg.mesh_shape, strict=True))
+        lines.append(f"  mesh        {names}, shard group of {pg.shard_size}")
+    if state.device is not None:
+        dev = state.device
+        lines.append(
+            f"  device      {dev.compute_device} (from {dev.source}), backend {dev.backend}"
+        )
+    if state.ignored is not None and state.ignored.params:
+        lines.append(f"  ignored     {len(state.ignored.params)} parameter names")
+    if state.param_handles is not None:
+        handles = state.param_handles
+        lines.append(
+            f"  units       {len(handles.units)} (root + {len(handles.units) - 1}); "
+            f"init: {handles.materialize.method}"
+        )
+        if state.runtime is not None:
+            mem = estimate_memory(state)
+            where = "host" if mem.on_host else "device"
+            lines.append(
+                f"  this rank   params {human_bytes(mem.params)}, grads {human_bytes(mem.grads)}, "
+                f"Adam {human_bytes(mem.adam)} ({where}); "
+                f"largest unit gathered {human_bytes(mem.largest_unit_unsharded)}"
+            )
+    notes = [
+        *(state.core.notes if state.core else ()),
+        *(state.ignored.notes if state.ignored else ()),
+    ]
+    lines.extend(f"  note        {n}" for n in notes)
+    if state.applied:
+        lines.append(f"  applied     {' -> '.join(state.applied)}")
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""init_core: the strategy after resolution, the precision policy, offload, and the model checks
+that depend on them (already prepared, Hugging Face device maps, 8/4-bit models).
+
+``"auto"`` resolves to ``"none"`` for one process, ``"fast_ddp"`` on Gaudi and ``"ddp"``
+elsewhere. Any strategy at world size 1 resolves to ``"none"``, with a note saying so.
+"""
+
+from __future__ import annotations
+
+from fprep.errors import ConfigError, DeviceError, ModelError, PrepareError, TopologyError
+from fprep.state import CoreState, DeviceState, PrecisionPolicy, PrepState, ResolvedStrategy, need
+from fprep.transitions._base import transition
+
+_FP8_DEVICES = ("cuda", "hpu")
+
+
+def _resolve(requested: str, world: int, device_type: str) -> tuple[ResolvedStrategy, str]:
+    if requested == "auto":
+        if world == 1:
+            return "none", ""
+        return ("fast_ddp" if device_type == "hpu" else "ddp"), ""
+    if world == 1 and requested != "none":
+        return "none", f"world size is 1: strategy {requested!r} resolved to 'none'."
+    return requested, ""  # type: ignore[return-value]
+
+
+def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
+    cfg = state.config
+    if cfg.precision == "no":
+        return PrecisionPolicy()
+    low = "float16" if cfg.precision == "fp16" else "bfloat16"
+    if sharded:
+        return PrecisionPolicy(
+            param_dtype=low,
+            reduce_dtype=cfg.reduce_dtype or "float32",
+            output_dtype="float32",
+            grad_scaling=cfg.precision == "fp16",
+            fp8=cfg.precision == "fp8",
+        )
+    return PrecisionPolicy(
+        autocast_dtype=low,
+        output_dtype="float32",
+        grad_scaling=cfg.precision == "fp16",
+        fp8=cfg.precision == "fp8",
+    )
+
+
+def _check_not_prepared(state: PrepState) -> None:
+    root = state.tree.root
+    if state.tree.prepared or root.is_sharded or root.is_replicated:
+        raise PrepareError(
+            "the model is already prepared (or already wrapped by FSDP/DDP).",
+            subject="model",
+            hint="Prepare the original model once; to change the plan, start from an "
+            "unprepared model (fprep.unwrap gives it back).",
+        )
+    for m in state.tree.modules[1:]:
+        if m.is_sharded and m.fqn not in need(state.ignored, "init_ignored", "init_core").modules:
+            raise ModelError(
+                f"submodule {m.fqn!r} is already sharded by FSDP.",
+                subject=m.fqn,
+                hint="Let fprep shard the whole model, or put the module in ignored_modules.",
+            )
+
+
+def _check_hf_loading(state: PrepState, strategy: str, device: DeviceState) -> None:
+    tree = state.tree
+    if tree.hf_device_map is None:
+        return
+    devices = {d for _, d in tree.hf_device_map}
+    if tree.quantization is not None:
+        bits = tree.quantization
+        if len(devices) > 1 and strategy != "none":
+            raise ModelError(
+                f"a model loaded in {bits} on several devices ({', '.join(sorted(devices))}) "
+                "cannot be trained in a distributed mode.",
+                subject="hf_device_map",
+                hint="Run one process (naive pipeline parallelism over the device map), or load "
+                "the model on one device per process.",
+            )
+        if "cpu" in devices or "disk" in devices:
+            raise ModelError(
+                f"a model loaded in {bits} with CPU or disk offload cannot be trained.",
+                subject="hf_device_map",
+                hint="Load it without offload (enough device memory for every layer).",
+            )
+        if len(devices) == 1:
+            only = next(iter(devices))
+            target = only if ":" in only or not only.isdigit() else f"{device.device_type}:{only}"
+            if target != device.compute_device and device.compute_device != "cpu":
+                raise DeviceError(
+                    f"a model loaded in {bits} sits on {target} but this rank trains on "
+                    f"{device.compute_device}.",
+                    subject="hf_device_map",
+                    hint="Load it with device_map={'': <this rank's device index>}.",
+                )
+        return
+    if len(devices) > 1 and strategy != "none":
+        raise ModelError(
+            f"a model dispatched with device_map over {len(devices)} devices cannot be "
+            "trained in a distributed mode.",
+            subject="hf_device_map",
+            hint="Run a single process, or load the model without device_map.",
+        )
+
+
+@transition
+def init_core(state: PrepState) -> PrepState:
+    pg = need(state.process_group, "init_process_group", "init_core")
+    device = need(state.device, "init_device", "init_core")
+    cfg = state.config
+    _check_not_prepared(state)
+
+    strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
+    notes: tuple[str, ...] = (note,) if note else ()
+    _check_hf_loading(state, strategy, device)
+    sharded = strategy in ("fsdp", "hsdp")
+
+    raf = cfg.effective_reshard_after_forward
+    if not isinstance(raf, bool) and sharded:
+        if pg.shard_size % raf:
+            raise TopologyError(
+                f"reshard_after_forward={raf} must divide the shard group size {pg.shard_size}.",
+                subject="reshard_after_forward",
+                hint="Use True, False, or a factor of the shard group size.",
+            )
+        if raf in (1, pg.shard_size):
+            notes += (
+                f"reshard_after_forward={raf} equals "
+                f"{'False' if raf == 1 else 'True'} for shard groups of {pg.shard_size}.",
+            )
+            raf = raf == pg.shard_size
+    if cfg.offload == "cpu" and not sharded:
+        raise ConfigError(
+            f"offload='cpu' needs a sharded strategy (fsdp or hsdp); strategy is {strategy!r}.",
+            subject="offload",
+            hint="Use strategy='fsdp' with offload='cpu', or offload='none'.",
+        )
+    if cfg.precision == "fp8" and device.device_type not in _FP8_DEVICES:
+        raise DeviceError(
+            f"precision='fp8' needs a CUDA or Gaudi device; this rank computes on "
+            f"{device.compute_device}.",
+            subject="precision",
+            hint="Use precision='bf16' on this device.",
+        )
+    if cfg.activation_checkpointing and cfg.wrap is None:
+        notes += ("activation checkpointing without a wrap policy checkpoints the whole model.",)
+    return state.replace(
+        core=CoreState(
+            requested_strategy=cfg.strategy,
+            strategy=strategy,
+            reshard_after_forward=raf if sharded else False,
+            precision=_precision(state, sharded),
+            offload=cfg.offload,
+            pin_memory=cfg.offload == "cpu" and device.device_type != "cpu",
+            notes=notes,
+        )
+    )

@@ -1,0 +1,196 @@
+"""init_param_handles: the wrap units, which parameters each manages, and this rank's shards.
+
+Units are chosen by the wrap policy (classes, a minimum parameter count, or a predicate over
+``ModuleInfo``); the root is always the last unit. A parameter belongs to the nearest unit above
+the module that registers it; a tied parameter registered under two units belongs to their
+nearest common unit (so FSDP2 sees it once). Ignored modules are never units and their
+parameters are kept whole on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+from fprep.config import WrapPolicy, wrap_class_names
+from fprep.errors import ConfigError, ModelError, PrepError
+from fprep.sharding import shard_shape
+from fprep.snapshot import ModuleInfo, ModuleTree, ParamInfo, is_within, parent_fqn
+from fprep.state import (
+    IgnoredState,
+    MaterializePlan,
+    ParamHandleState,
+    PrepState,
+    ProcessGroupState,
+    ShardSpec,
+    WrapUnit,
+    need,
+)
+from fprep.transitions._base import transition
+
+
+def _owned_numel(tree: ModuleTree, ignored: IgnoredState) -> dict[str, int]:
+    """Elements of the managed parameters each module registers directly (tied: counted once)."""
+    owned: dict[str, int] = {}
+    for p in tree.params:
+        if p.fqn in ignored.params:
+            continue
+        owner = parent_fqn(p.fqn)
+        owned[owner] = owned.get(owner, 0) + p.numel
+    return owned
+
+
+def _by_size(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set[str]:
+    """FSDP's size policy: wrap a module once what is not yet wrapped below it reaches the size."""
+    owned = _owned_numel(tree, ignored)
+    remaining: dict[str, int] = {}
+    units: set[str] = set()
+    for m in reversed(tree.modules):  # children before parents
+        if m.fqn in ignored.modules:
+            remaining[m.fqn] = 0
+            continue
+        total = owned.get(m.fqn, 0) + sum(remaining.get(c, 0) for c in m.children)
+        if m.fqn and total >= min_params:
+            units.add(m.fqn)
+            total = 0
+        remaining[m.fqn] = total
+    return units
+
+
+def _by_predicate(
+    tree: ModuleTree, ignored: IgnoredState, predicate: Callable[[ModuleInfo], bool]
+) -> set[str]:
+    units: set[str] = set()
+    for m in tree.modules[1:]:
+        if m.fqn in ignored.modules:
+            continue
+        try:
+            chosen = predicate(m)
+        except PrepError:
+            raise
+        except Exception as e:
+            raise ConfigError(
+                f"the wrap policy raised {type(e).__name__}: {e} on module {m.fqn!r}.",
+                subject="wrap",
+                hint="A wrap callable receives a fprep.ModuleInfo and returns a bool.",
+            ) from None
+        if chosen:
+            units.add(m.fqn)
+    return units
+
+
+def select_units(tree: ModuleTree, wrap: WrapPolicy, ignored: IgnoredState) -> tuple[str, ...]:
+    """Unit FQNs in pre-order (the root, ``""``, first)."""
+    if wrap is None:
+        chosen: set[str] = set()
+    elif isinstance(wrap, int):
+        chosen = _by_size(tree, ignored, wrap)
+    elif isinstance(wrap, tuple):
+        names = wrap_class_names(wrap)
+        chosen = {
+            m.fqn
+            for m in tree.modules[1:]
+            if m.fqn not in ignored.modules and any(m.is_a(n) for n in names)
+        }
+    else:
+        chosen = _by_predicate(tree, ignored, cast(Callable[[ModuleInfo], bool], wrap))
+    return ("", *(m.fqn for m in tree.modules[1:] if m.fqn in chosen))
+
+
+def _unit_of(module: str, units: frozenset[str]) -> str:
+    while module not in units:
+        module = parent_fqn(module)
+    return module
+
+
+def _assign(p: ParamInfo, units: frozenset[str]) -> str:
+    """The unit managing ``p``: the nearest unit above all modules that register it."""
+    owners = {_unit_of(parent_fqn(n), units) for n in p.names}
+    unit = owners.pop()
+    while owners and not all(is_within(o, unit) for o in owners):
+        unit = _unit_of(parent_fqn(unit), units) if unit else ""
+    return unit
+
+
+def _spec(p: ParamInfo, sharded: bool, pg: ProcessGroupState) -> ShardSpec:
+    if sharded and not p.shape:
+        raise ModelError(
+            f"parameter {p.fqn!r} is a scalar (shape []); FSDP shards along dim 0 and cannot "
+            "shard it.",
+            subject=p.fqn,
+            hint="Register it as a 1-element tensor (shape [1]), or add it to ignored_params.",
+        )
+    local, padded = (
+        shard_shape(p.shape, pg.shard_size, pg.shard_rank) if sharded else (p.shape, p.shape)
+    )
+    return ShardSpec(
+        fqn=p.fqn,
+        names=p.names,
+        shape=p.shape,
+        dtype=p.dtype,
+        local_shape=local,
+        padded_shape=padded,
+        requires_grad=p.requires_grad,
+    )
+
+
+def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
+    tree, cfg = state.tree, state.config
+    meta_owners = {parent_fqn(n) for p in tree.params if p.is_meta for n in p.names}
+    meta_owners |= {parent_fqn(b.fqn) for b in tree.buffers if b.is_meta}
+    meta_owners -= ignored.modules
+    if not meta_owners:
+        return MaterializePlan(method="none")
+    if cfg.sync_module_states and state.topology.rank == 0 and cfg.param_init_fn is None:
+        raise ModelError(
+            "sync_module_states=True copies rank 0's weights to every rank, but rank 0's model "
+            f"is on the meta device (e.g. module {min(meta_owners)!r}).",
+            subject="sync_module_states",
+            hint="Load real weights on rank 0 (other ranks may stay on meta), or set "
+            "sync_module_states=False to initialize every rank from the same seed.",
+        )
+    modules = tuple(m.fqn for m in tree.modules if m.fqn in meta_owners)
+    if cfg.param_init_fn is not None:
+        return MaterializePlan(method="param_init_fn", modules=modules)
+    for fqn in modules:
+        info = tree.module(fqn)
+        if info is not None and not info.has_reset_parameters:
+            raise ModelError(
+                f"module {fqn or '<root>'!r} ({info.class_name}) has parameters or buffers on "
+                "the meta device but no reset_parameters() to initialize them.",
+                subject=fqn,
+                hint="Give the class a reset_parameters() method, or pass "
+                "PrepConfig(param_init_fn=...) to initialize modules yourself.",
+            )
+    return MaterializePlan(method="reset_parameters", modules=modules)
+
+
+@transition
+def init_param_handles(state: PrepState) -> PrepState:
+    core = need(state.core, "init_core", "init_param_handles")
+    pg = need(state.process_group, "init_process_group", "init_param_handles")
+    ignored = need(state.ignored, "init_ignored", "init_param_handles")
+    tree = state.tree
+    unit_fqns = select_units(tree, state.config.wrap, ignored)
+    units = frozenset(unit_fqns)
+    members: dict[str, list[ShardSpec]] = {u: [] for u in unit_fqns}
+    kept: list[ShardSpec] = []
+    for p in tree.params:
+        if p.fqn in ignored.params:
+            kept.append(_spec(p, False, pg))
+        else:
+            members[_assign(p, units)].append(_spec(p, core.is_sharded, pg))
+    ordered = tuple(
+        WrapUnit(
+            fqn=fqn,
+            cls=(tree.module(fqn) or tree.root).cls,
+            params=tuple(members[fqn]),
+            reshard_after_forward=core.reshard_after_forward,
+        )
+        for fqn in reversed(unit_fqns)  # inner units first, the root last
+    )
+    return state.replace(
+        param_handles=ParamHandleState(
+            units=ordered, ignored=tuple(kept), materialize=_materialize(state, ignored)
+        )
+    )

@@ -1,0 +1,149 @@
+"""init_process_group: who shards with whom, computed from the topology (no process group).
+
+For a 1-D world every rank shards with every other. For hybrid sharding (``hsdp``) the world is a
+``(replicate, shard)`` mesh, row-major like ``init_device_mesh``: rank ``r`` shards with the ranks
+of its row (``r // shard`` — one node by default) and replicates with those of its column.
+"""
+
+from __future__ import annotations
+
+from fprep.errors import TopologyError
+from fprep.state import MeshSpec, PrepState, ProcessGroupState
+from fprep.transitions._base import transition
+
+HSDP_DIM_NAMES = ("replicate", "shard")
+DP_DIM_NAMES = ("dp",)
+
+
+def gradient_divide_factors(world_size: int) -> tuple[float, float]:
+    """Split 1/world into a pre- and post-reduction factor (keeps fp16 sums in range).
+
+    FSDP's rule: double ``f`` from 1 while it divides the world and ``world / f > f``; gradients
+    are divided by ``f`` before the reduction and by ``world / f`` after it.
+    """
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor), world_size / factor
+
+
+def hybrid_groups(
+    world_size: int, shard_size: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """All shard groups (rows) and replicate groups (columns) of a row-major 2-D mesh."""
+    rows = world_size // shard_size
+    shard_groups = tuple(tuple(range(r * shard_size, (r + 1) * shard_size)) for r in range(rows))
+    replicate_groups = tuple(tuple(range(s, world_size, shard_size)) for s in range(shard_size))
+    return shard_groups, replicate_groups
+
+
+def _from_mesh(mesh: MeshSpec, rank: int, world: int, hybrid: bool) -> ProcessGroupState:
+    want = 2 if hybrid else 1
+    if mesh.ndim != want:
+        raise TopologyError(
+            f"strategy {'hsdp' if hybrid else 'fsdp/ddp'} needs a {want}-D mesh; "
+            f"got a {mesh.ndim}-D mesh of shape {mesh.shape}.",
+            subject="mesh",
+            hint="For hsdp pass a (replicate, shard) mesh; otherwise a 1-D data-parallel mesh "
+            "(slice it from a larger mesh by name, e.g. mesh['dp']).",
+        )
+    root_size = 1
+    for d in mesh.root_shape or mesh.shape:
+        root_size *= d
+    if root_size != world:
+        raise TopologyError(
+            f"the mesh covers {root_size} ranks but the world size is {world}.",
+            subject="mesh",
+            hint="Build the mesh over every rank of the job (init_device_mesh with the world).",
+        )
+    ranks = mesh.ranks or tuple(range(mesh.size))
+    if len(ranks) != mesh.size or rank not in ranks:
+        raise TopologyError(f"rank {rank} is not a member of the mesh {ranks}.", subject="mesh")
+    flat = ranks.index(rank)
+    names = mesh.dim_names or (HSDP_DIM_NAMES if hybrid else DP_DIM_NAMES)
+    if hybrid:
+        rows, cols = mesh.shape
+        r, c = divmod(flat, cols)
+        shard_group = ranks[r * cols : (r + 1) * cols]
+        replicate_group = tuple(ranks[i * cols + c] for i in range(rows))
+        coordinate: tuple[int, ...] = (r, c)
+    else:
+        shard_group, replicate_group, coordinate = ranks, (rank,), (flat,)
+    pre, post = gradient_divide_factors(mesh.size)
+    return ProcessGroupState(
+        world_size=world,
+        rank=rank,
+        mesh_shape=mesh.shape,
+        mesh_dim_names=names,
+        coordinate=coordinate,
+        shard_group=tuple(shard_group),
+        replicate_group=tuple(replicate_group),
+        gradient_predivide_factor=pre,
+        gradient_postdivide_factor=post,
+    )
+
+
+@transition
+def init_process_group(state: PrepState) -> PrepState:
+    topo, cfg = state.topology, state.config
+    group, mesh = state.inputs.process_group, state.inputs.mesh
+    world, rank = topo.world_size, topo.rank
+    hybrid = cfg.strategy == "hsdp"
+    if group is not None and mesh is not None:
+        raise TopologyError(
+            "both a process group and a device mesh were given.",
+            subject="process_group",
+            hint="Pass only one: the mesh (preferred) or the process group.",
+        )
+    if world % topo.local_world_size != 0:
+        raise TopologyError(
+            f"the world size {world} is not divisible by local_world_size "
+            f"{topo.local_world_size} (processes per node); nodes must be equal.",
+            subject="local_world_size",
+            hint="Launch the same number of processes on every node.",
+        )
+    if mesh is not None:
+        return state.replace(process_group=_from_mesh(mesh, rank, world, hybrid))
+    if group is not None:
+        if hybrid:
+            raise TopologyError(
+                "hsdp needs two groups (replicate x shard) but one process group was given.",
+                subject="process_group",
+                hint="Pass a 2-D DeviceMesh with dims ('replicate', 'shard'), or nothing and "
+                "fprep builds it from hsdp_shard_size.",
+            )
+        ranks = group.ranks or tuple(range(group.size))
+        if len(ranks) != group.size or not 0 <= group.rank < group.size:
+            raise TopologyError(
+                f"the process group snapshot is inconsistent: size {group.size}, rank "
+                f"{group.rank}, ranks {ranks}.",
+                subject="process_group",
+            )
+        pre, post = gradient_divide_factors(group.size)
+        return state.replace(
+            process_group=ProcessGroupState(
+                world_size=world,
+                rank=rank,
+                mesh_shape=(group.size,),
+                mesh_dim_names=DP_DIM_NAMES,
+                coordinate=(group.rank,),
+                shard_group=ranks,
+                replicate_group=(rank,),
+                gradient_predivide_factor=pre,
+                gradient_postdivide_factor=post,
+            )
+        )
+    if hybrid:
+        shard = cfg.hsdp_shard_size or topo.local_world_size
+        if world % shard != 0:
+            raise TopologyError(
+                f"hsdp shards over groups of {shard} ranks, which does not divide the world "
+                f"size {world}.",
+                subject="hsdp_shard_size",
+                hint="Choose hsdp_shard_size as a divisor of the world size (by default it is "
+                "the number of processes per node).",
+            )
+        spec = MeshSpec(shape=(world // shard, shard), dim_names=HSDP_DIM_NAMES)
+    else:
+        spec = MeshSpec(shape=(world,), dim_names=DP_DIM_NAMES)
+    return state.replace(process_group=_from_mesh(spec, rank, world, hybrid))
