@@ -4,6 +4,7 @@ A frozen ``PrepState`` is computed by pure transitions over snapshots of the mod
 and the config (``fprep.plan``); effectful steps then apply it with PyTorch's own engines.
 """
 
+from fprep.apply import Handles, Step, all_reduce_gradients, pipeline, step
 from fprep.config import DDPOptions, PrepConfig
 from fprep.errors import (
     ConfigError,
@@ -17,6 +18,7 @@ from fprep.errors import (
 )
 from fprep.memory import MemoryEstimate, estimate_memory
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
+from fprep.prepare import backward, default_steps, prepare
 from fprep.snapshot import BufferInfo, ModuleInfo, ModuleTree, ParamInfo
 from fprep.state import (
     GroupSpec,
@@ -50,6 +52,7 @@ __all__ = [
     "DDPOptions",
     "DeviceError",
     "GroupSpec",
+    "Handles",
     "IgnoredStateError",
     "MemoryEstimate",
     "MeshSpec",
@@ -63,11 +66,15 @@ __all__ = [
     "PrepState",
     "PrepareError",
     "ShardSpec",
+    "Step",
     "Topology",
     "TopologyError",
     "Transition",
     "WrapUnit",
+    "all_reduce_gradients",
+    "backward",
     "chain",
+    "default_steps",
     "estimate_memory",
     "init_buffers",
     "init_core",
@@ -80,6 +87,9 @@ __all__ = [
     "init_runtime",
     "init_state_dict",
     "initial_state",
+    "pipeline",
     "plan",
+    "prepare",
+    "step",
     "transition",
 ]

@@ -10,7 +10,7 @@ the prepare steps keep them in a separate runtime object, so plans stay comparab
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from fprep.config import PrepConfig
@@ -270,6 +270,9 @@ class PrepState:
     param_handles: ParamHandleState | None = None
     prefetching: PrefetchState | None = None
     applied: tuple[str, ...] = ()  # names of the prepare steps that ran, in order
+    #: Live handles (device, mesh, process group, grad scaler) set by the prepare steps; not
+    #: data, so excluded from equality, hashing and repr (see fprep.apply.steps.Handles).
+    handles: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def initial(

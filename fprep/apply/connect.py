@@ -1,0 +1,105 @@
+"""connect: the process group and DeviceMesh the plan asks for.
+
+An existing default process group is used as it is (its size and rank must match the plan).
+Otherwise, under a launcher (torchrun or MPI variables), fprep creates it with the backend the
+plan chose and ``PrepConfig.timeout_s``. A single process with no launcher needs no group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fprep.apply.steps import Handles, step
+from fprep.errors import PrepareError, TopologyError
+from fprep.state import PrepState, need
+
+
+def _device(state: PrepState) -> torch.device:
+    dev = need(state.device, "init_device", "connect")
+    return torch.device(dev.compute_device)
+
+
+def _ensure_default_group(state: PrepState) -> bool:
+    """Create the default group if needed; True when fprep created it."""
+    topo = state.topology
+    if dist.is_initialized():
+        if (dist.get_world_size(), dist.get_rank()) != (topo.world_size, topo.rank):
+            raise TopologyError(
+                f"the default process group has world size {dist.get_world_size()} and rank "
+                f"{dist.get_rank()}, but the plan was made for world size {topo.world_size}, "
+                f"rank {topo.rank}.",
+                subject="topology",
+                hint="Plan with Topology.from_env() (the default) under the same launcher.",
+            )
+        return False
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise TopologyError(
+            f"the plan is for {topo.world_size} processes but no process group exists and "
+            "MASTER_ADDR / MASTER_PORT are not set.",
+            subject="topology",
+            hint="Launch with torchrun --nproc-per-node N, or create the process group first.",
+        )
+    dev = need(state.device, "init_device", "connect")
+    dist.init_process_group(
+        backend=dev.backend,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        timeout=datetime.timedelta(seconds=state.config.timeout_s),
+    )
+    return True
+
+
+def _build_mesh(state: PrepState, device: torch.device, user_mesh: Any, user_group: Any) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    pg = need(state.process_group, "init_process_group", "connect")
+    if user_mesh is not None:
+        return user_mesh
+    if user_group is not None:
+        return DeviceMesh.from_group(user_group, device.type, mesh_dim_names=pg.mesh_dim_names)
+    return init_device_mesh(device.type, pg.mesh_shape, mesh_dim_names=pg.mesh_dim_names)
+
+
+def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
+    """A connect step that uses the mesh or process group the caller passed to ``prepare``."""
+
+    @step("connect")
+    def connect(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+        core = need(state.core, "init_core", "connect")
+        device = _device(state)
+        if device.type == "hpu":
+            from fprep.devices import hpu_setup
+
+            hpu_setup(distributed=core.is_distributed)
+        if not core.is_distributed:
+            return state.replace(handles=Handles(device=device)), model
+        try:
+            owns = _ensure_default_group(state)
+        except (RuntimeError, ValueError) as e:
+            if isinstance(e, TopologyError):
+                raise
+            raise PrepareError(f"creating the process group failed: {e}", subject="connect") from e
+        if core.is_sharded:
+            mesh_obj = _build_mesh(state, device, mesh, process_group)
+            group = mesh_obj.get_group(mesh_obj.ndim - 1)
+        else:  # DDP and fast_ddp replicate over the whole group; no mesh needed
+            mesh_obj, group = None, process_group or dist.group.WORLD
+        return (
+            state.replace(
+                handles=Handles(
+                    device=device, mesh=mesh_obj, process_group=group, owns_process_group=owns
+                )
+            ),
+            model,
+        )
+
+    return connect
+
+
+connect = make_connect()

@@ -1,0 +1,86 @@
+"""Activation checkpointing and compilation, applied per wrap unit (a "region").
+
+Regions are the outermost non-root units (nested units would be recomputed or compiled twice);
+without a wrap policy the root is the one region. Checkpointing is torch's composable,
+non-reentrant ``checkpoint``: it adds hooks and keeps every FQN. Compilation uses
+``nn.Module.compile`` (in place, FQNs kept); each repeated block's code is compiled once and
+reused across instances. Order in the default pipeline: checkpointing, then regional compile,
+then sharding — the order torchtitan uses, so FSDP2's hooks wrap the compiled, checkpointed
+blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fprep.apply.steps import handles_of, step
+from fprep.errors import PrepareError
+from fprep.snapshot import is_within
+from fprep.state import PrepState, need
+
+_COMPILED_ATTR = "_fprep_compiled"
+
+
+def regions(state: PrepState) -> tuple[str, ...]:
+    """FQNs of the outermost non-root units, in forward (pre-)order; ``("",)`` if none."""
+    handles = need(state.param_handles, "init_param_handles", "regions")
+    units = [u.fqn for u in reversed(handles.units) if u.fqn]
+    outer = [u for u in units if not any(o != u and o and is_within(u, o) for o in units)]
+    return tuple(outer) or ("",)
+
+
+@step("checkpoint")
+def checkpoint(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+    if not state.config.activation_checkpointing:
+        return state, model
+    from torch.distributed._composable.checkpoint_activation import (
+        checkpoint as composable_checkpoint,
+    )
+
+    for fqn in regions(state):
+        composable_checkpoint(model.get_submodule(fqn))
+    return state, model
+
+
+def _compile_kwargs(state: PrepState) -> dict[str, Any]:
+    cfg = state.config
+    backend = cfg.compile_backend
+    if backend is None and handles_of(state).device.type == "hpu":
+        backend = "hpu_backend"
+    kwargs: dict[str, Any] = {}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if cfg.compile_mode is not None:
+        kwargs["mode"] = cfg.compile_mode
+    return kwargs
+
+
+def _compile(module: nn.Module, fqn: str, kwargs: dict[str, Any]) -> None:
+    if getattr(module, _COMPILED_ATTR, False):
+        raise PrepareError(
+            f"module {fqn or '<root>'!r} is already compiled by fprep.",
+            subject=fqn,
+            hint="Compile once: choose compile='whole' or 'regional', and prepare once.",
+        )
+    module.compile(**kwargs)
+    setattr(module, _COMPILED_ATTR, True)
+
+
+@step("compile_regions")
+def compile_regions(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+    if state.config.compile != "regional":
+        return state, model
+    kwargs = _compile_kwargs(state)
+    for fqn in regions(state):
+        _compile(model.get_submodule(fqn), fqn, kwargs)
+    return state, model
+
+
+@step("compile_whole")
+def compile_whole(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+    if state.config.compile != "whole":
+        return state, model
+    _compile(model, "", _compile_kwargs(state))
+    return state, model

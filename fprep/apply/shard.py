@@ -1,0 +1,86 @@
+"""shard: FSDP2 ``fully_shard`` on every wrap unit (inner units first), then the root.
+
+Everything comes from the plan: the mesh (1-D, or 2-D ``(replicate, shard)`` for hsdp),
+``reshard_after_forward`` per unit, the ``MixedPrecisionPolicy`` dtypes (float32 outputs on the
+root only, so blocks pass low-precision activations to each other), CPU offload (memory pinned
+only where an accelerator exists), ignored parameters, and the explicit prefetch lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fprep.apply.steps import handles_of, step, with_handles
+from fprep.state import PrepState, need
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return hasattr(p, "to_local") and hasattr(p, "placements")
+
+
+@step("shard")
+def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+    core = need(state.core, "init_core", "shard")
+    if not core.is_sharded:
+        return state, model
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    plan = need(state.param_handles, "init_param_handles", "shard")
+    prefetch = need(state.prefetching, "init_prefetching", "shard")
+    handles = handles_of(state)
+    if state.config.sync_module_states and state.topology.rank == 0:
+        full = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        state = with_handles(state, rank0_full_state=full)
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    ignored = {id(named[n]): named[n] for spec in plan.ignored for n in spec.names}
+    unit_of = {id(named[spec.fqn]): u.fqn for u in plan.units for spec in u.params}
+    policy = core.precision
+    offload: Any = (
+        CPUOffloadPolicy(pin_memory=core.pin_memory) if core.offload == "cpu" else OffloadPolicy()
+    )
+    for unit in plan.units:
+        module = model.get_submodule(unit.fqn)
+        skip = dict(ignored)
+        for p in module.parameters():
+            if not _is_dtensor(p) and unit_of.get(id(p), unit.fqn) != unit.fqn:
+                skip[id(p)] = p  # a tied parameter another unit manages
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(policy.param_dtype),
+            reduce_dtype=_dtype(policy.reduce_dtype),
+            output_dtype=_dtype(policy.output_dtype)
+            if unit.fqn == "" and policy.param_dtype
+            else None,
+        )
+        fully_shard(
+            module,
+            mesh=handles.mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=mp,
+            offload_policy=offload,
+            ignored_params=set(skip.values()) or None,
+        )
+
+    def fsdp(fqn: str) -> FSDPModule:
+        m = model.get_submodule(fqn)
+        assert isinstance(m, FSDPModule)
+        return m
+
+    for fqn, targets in prefetch.forward:
+        fsdp(fqn).set_modules_to_forward_prefetch([fsdp(t) for t in targets])
+    for fqn, targets in prefetch.backward:
+        fsdp(fqn).set_modules_to_backward_prefetch([fsdp(t) for t in targets])
+    return state, model

@@ -1,0 +1,89 @@
+"""Steps: the effectful combinators that apply a plan to a model.
+
+A step is ``(PrepState, nn.Module) -> (PrepState, nn.Module)``. It reads its instructions from
+the (complete, validated) state, does one job with PyTorch's own engines, and returns the state
+with its name appended to ``state.applied``. ``pipeline(*steps)`` composes steps into one; users
+build their own by inserting, removing or replacing steps (see docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from fprep.errors import PlanOrderError
+from fprep.state import PrepState
+
+if TYPE_CHECKING:
+    import torch
+
+Step = Callable[[PrepState, nn.Module], tuple[PrepState, nn.Module]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handles:
+    """Live objects a prepared model needs; kept out of the plan's equality, hash and repr.
+
+    ``owns_process_group`` is True when fprep created the default process group (the caller
+    then decides when to destroy it; fprep never does behind their back).
+    """
+
+    device: torch.device
+    mesh: Any = None  # torch.distributed.DeviceMesh, None for a single process
+    process_group: Any = None  # the data-parallel process group
+    owns_process_group: bool = False
+    grad_scaler: Any = None  # torch.amp.GradScaler for fp16
+    rank0_full_state: Any = None  # rank 0's full state dict, held from shard to sync
+
+
+def handles_of(state: PrepState) -> Handles:
+    handles = state.handles
+    if not isinstance(handles, Handles):
+        raise PlanOrderError(
+            "this step needs the connect step to have run first.",
+            subject="connect",
+            hint="Start custom pipelines with fprep.steps.connect.",
+        )
+    return handles
+
+
+def with_handles(state: PrepState, **changes: Any) -> PrepState:
+    return state.replace(handles=dataclasses.replace(handles_of(state), **changes))
+
+
+def step(name: str) -> Callable[[Step], Step]:
+    """Name a step; the name is appended to ``state.applied`` when it has run."""
+
+    def decorate(fn: Step) -> Step:
+        @functools.wraps(fn)
+        def run(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+            if not state.is_complete:
+                raise PlanOrderError(
+                    f"step {name!r} needs a complete plan.",
+                    subject=name,
+                    hint="Run fprep.plan(...) (all ten transitions) before applying steps.",
+                )
+            new_state, new_model = fn(state, model)
+            return new_state.replace(applied=(*new_state.applied, name)), new_model
+
+        run.step_name = name  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
+def pipeline(*steps: Step) -> Step:
+    """Compose steps left to right into one step."""
+
+    def run(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+        for s in steps:
+            state, model = s(state, model)
+        return state, model
+
+    run.steps = steps  # type: ignore[attr-defined]
+    return run

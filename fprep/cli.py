@@ -1,0 +1,198 @@
+"""The ``fprep`` command line: ``fprep plan`` and ``fprep env``.
+
+Errors are printed as one clear line (the ``PrepError`` message and hint) with exit status 2,
+never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from returns.result import Failure
+
+from fprep.config import PrepConfig
+from fprep.errors import ConfigError, PrepError
+from fprep.memory import estimate_memory
+from fprep.planning import plan
+from fprep.policies import repeated_block_classes
+from fprep.snapshot import ModuleTree
+from fprep.state import PrepState
+from fprep.summary import human_bytes
+from fprep.topology import Topology, detect_device_type
+
+
+def _load_builder(spec: str) -> Callable[[], Any]:
+    """``package.module:function`` -> the function; the current directory is importable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"expected MODULE:BUILDER, got {spec!r}.",
+            subject="builder",
+            hint="For example: fprep plan mypkg.models:build_model --world-size 64",
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot import {spec!r}: {e}.", subject="builder") from None
+    if not callable(obj):
+        raise ConfigError(f"{spec!r} is not callable.", subject="builder")
+    return obj  # type: ignore[no-any-return]
+
+
+def _build_on_meta(builder: Callable[[], Any]) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = builder()
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"the builder returned {type(model).__qualname__}, not an nn.Module.",
+            subject="builder",
+        )
+    return model
+
+
+def _memory_table(state: PrepState) -> str:
+    mem = estimate_memory(state)
+    rows = [
+        ("parameters", mem.params),
+        ("gradients", mem.grads),
+        ("Adam state", mem.adam),
+        ("SGD momentum", mem.sgd_momentum),
+        ("total (Adam)", mem.total("adam")),
+        ("largest unit gathered", mem.largest_unit_unsharded),
+    ]
+    where = "host (offload)" if mem.on_host else "device"
+    lines = [f"per-rank memory ({where}):"]
+    lines += [f"  {name:<24}{human_bytes(value):>14}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def _plan_json(state: PrepState) -> dict[str, Any]:
+    mem = estimate_memory(state)
+    core = state.core
+    handles = state.param_handles
+    return {
+        "world_size": state.topology.world_size,
+        "rank": state.topology.rank,
+        "strategy": core.strategy if core else None,
+        "units": [u.fqn for u in handles.units] if handles else [],
+        "memory_bytes": {**dataclasses.asdict(mem), "total_adam": mem.total("adam")},
+    }
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    model = _build_on_meta(_load_builder(args.builder))
+    wrap = tuple(args.wrap) if args.wrap else repeated_block_classes(ModuleTree.of(model))
+    cfg = PrepConfig(
+        strategy=args.strategy,
+        precision=args.precision,
+        wrap=wrap or None,
+        sharding=args.sharding,
+    )
+    topo = Topology(
+        world_size=args.world_size,
+        rank=args.rank,
+        local_world_size=args.nproc_per_node or args.world_size,
+        device_type=args.device_type,
+    )
+    result = plan(model, cfg, topo)
+    if isinstance(result, Failure):
+        raise result.failure()
+    state = result.unwrap()
+    if args.json:
+        print(json.dumps(_plan_json(state), indent=2))
+    else:
+        print(state.summary())
+        print(_memory_table(state))
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    launcher_vars = (
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_SIZE",
+        "PMI_RANK",
+    )
+    info = {
+        "torch": torch.__version__,
+        "device_type": detect_device_type(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "backends": {
+            name: bool(available())
+            for name, available in (
+                ("gloo", dist.is_gloo_available),
+                ("nccl", dist.is_nccl_available),
+                ("mpi", dist.is_mpi_available),
+            )
+        },
+        "launcher": {k: os.environ[k] for k in launcher_vars if k in os.environ},
+        "topology": dataclasses.asdict(Topology.from_env()),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:<12} {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fprep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a model built on the meta device; print per-rank memory")
+    p.add_argument("builder", help="MODULE:BUILDER, a function returning an nn.Module")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--nproc-per-node", type=int, default=None)
+    p.add_argument("--device-type", default="cuda")
+    p.add_argument("--strategy", default="fsdp")
+    p.add_argument("--sharding", default="full")
+    p.add_argument("--precision", default="bf16")
+    p.add_argument(
+        "--wrap",
+        nargs="*",
+        default=None,
+        help="class names to wrap as units (default: the model's repeated blocks)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plan)
+
+    e = sub.add_parser("env", help="torch version, devices, backends, launcher variables")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except PrepError as e:
+        print(f"fprep: error: {e}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
