@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, get_args
@@ -71,7 +72,12 @@ def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
 
 
 def _check_number(owner: str, name: str, value: object, *, positive: bool = True) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or (positive and value <= 0):
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
         raise _fail(owner, name, f"must be a positive number; got {value!r}.")
 
 
@@ -136,6 +142,8 @@ def _normalize_wrap(value: object) -> WrapPolicy:
     owner, name = "PrepConfig", "wrap"
     if value is None:
         return None
+    if isinstance(value, str) and ":" in value:
+        value = resolve_import_string(value, name)
     if isinstance(value, bool):
         raise _fail(owner, name, f"must be classes, a parameter count or a callable; got {value}.")
     if isinstance(value, int):
@@ -258,8 +266,16 @@ class PrepConfig:
             raise _fail(
                 o,
                 "reshard_after_forward",
-                f"={raf} contradicts sharding={self.sharding!r}.",
+                f"is {raf}, which contradicts sharding={self.sharding!r}.",
                 "Set one of them: sharding='full' reshards after forward, 'grad_op' does not.",
+            )
+        if raf is not None and not isinstance(raf, bool) and self.sharding == "grad_op":
+            raise _fail(
+                o,
+                "reshard_after_forward",
+                f"is {raf} (reshard to groups of {raf} after forward), which contradicts "
+                "sharding='grad_op' (never reshard after forward).",
+                "Use an int reshard_after_forward with sharding='full' (the default).",
             )
         if self.hsdp_shard_size is not None:
             _check_int(o, "hsdp_shard_size", self.hsdp_shard_size, minimum=1)

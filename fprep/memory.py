@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fprep.errors import ConfigError
 from fprep.snapshot import dtype_bytes
 from fprep.state import PrepState, need
 
@@ -22,12 +23,28 @@ class MemoryEstimate:
     sgd_momentum: int  # SGD with momentum: one state per trainable element
     largest_unit_unsharded: int  # transient all-gather of the biggest unit
     fused_grad_buffer: int  # fast_ddp's flat all-reduce buffer
+    ddp_buckets: int  # DDP's gradient buckets (a second copy unless gradient_as_bucket_view)
     on_host: bool  # parameters, gradients and optimizer state live in host memory (offload)
 
+    @property
+    def comm_buffers(self) -> int:
+        return self.fused_grad_buffer + self.ddp_buckets
+
     def total(self, optimizer: str = "adam") -> int:
-        """Steady-state bytes with the given optimizer ("adam", "sgd_momentum" or "sgd")."""
-        states = {"adam": self.adam, "sgd_momentum": self.sgd_momentum, "sgd": 0}[optimizer]
-        return self.params + self.grads + states
+        """Steady-state bytes with an optimizer: "adam"/"adamw", "sgd_momentum" or "sgd"."""
+        states = {
+            "adam": self.adam,
+            "adamw": self.adam,
+            "sgd_momentum": self.sgd_momentum,
+            "sgd": 0,
+        }
+        if optimizer not in states:
+            raise ConfigError(
+                f"unknown optimizer {optimizer!r} for the memory estimate.",
+                subject="optimizer",
+                hint=f"Use one of {', '.join(map(repr, states))}.",
+            )
+        return self.params + self.grads + states[optimizer] + self.comm_buffers
 
 
 def estimate_memory(state: PrepState) -> MemoryEstimate:
@@ -61,5 +78,8 @@ def estimate_memory(state: PrepState) -> MemoryEstimate:
         sgd_momentum=trainable,
         largest_unit_unsharded=largest,
         fused_grad_buffer=fused,
+        ddp_buckets=(
+            grads if core.strategy == "ddp" and not state.config.ddp.gradient_as_bucket_view else 0
+        ),
         on_host=core.offload == "cpu",
     )

@@ -158,6 +158,12 @@ class Topology:
                         hint="Launch with torchrun (or mpirun), or unset the variable.",
                     ) from None
             world, rank, local_rank, local_world = values
+            if rank < 0 and world > 1:
+                raise TopologyError(
+                    f"{names[0]}={world} is set but {names[1]} is not.",
+                    subject=names[1],
+                    hint="Every process needs its own rank: launch with torchrun or mpirun.",
+                )
             return cls(
                 world_size=world,
                 rank=max(rank, 0),

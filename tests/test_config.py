@@ -58,6 +58,8 @@ def init_fn(module: nn.Module) -> None:
         ("timeout_s", 0, ["timeout_s", "positive"]),
         ("ddp", 3, ["ddp", "DDPOptions"]),
         ("reduce_dtype", "fp32", ["reduce_dtype", "'float32'"]),
+        ("timeout_s", float("nan"), ["timeout_s"]),
+        ("ddp", {"bucket_cap_mb": float("inf")}, ["bucket_cap_mb"]),
     ],
 )
 def test_bad_field_names_field_and_allowed_values(field: str, value: Any, words: list[str]) -> None:
@@ -84,6 +86,16 @@ def test_cross_field_checks() -> None:
     with pytest.raises(ConfigError) as info:
         PrepConfig(ignored_modules=("a",), ignored_params=("b.weight",))
     assert info.value.subject == "ignored_params"
+
+
+def test_int_reshard_contradicts_grad_op() -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(sharding="grad_op", reshard_after_forward=4)
+    assert info.value.subject == "reshard_after_forward" and "grad_op" in str(info.value)
+
+
+def test_wrap_accepts_import_strings_for_callables() -> None:
+    assert PrepConfig(wrap=f"{__name__}:is_block").wrap is is_block
 
 
 def test_ddp_options_are_validated_and_accept_a_dict() -> None:
@@ -133,11 +145,8 @@ def test_replace_validates() -> None:
         cfg.replace(precision="bf15")
 
 
-configs = st.builds(
-    PrepConfig,
+_other_fields: dict[str, st.SearchStrategy[object]] = dict(
     strategy=st.sampled_from(["auto", "none", "ddp", "fast_ddp", "fsdp", "hsdp"]),
-    sharding=st.sampled_from(["full", "grad_op"]),
-    reshard_after_forward=st.one_of(st.none(), st.integers(1, 64)),
     hsdp_shard_size=st.one_of(st.none(), st.integers(1, 16)),
     precision=st.sampled_from(["no", "fp16", "bf16", "fp8"]),
     reduce_dtype=st.sampled_from([None, "float32", "bfloat16"]),
@@ -163,6 +172,20 @@ configs = st.builds(
     param_init_fn=st.sampled_from([None, init_fn]),
     seed=st.one_of(st.none(), st.integers(0, 2**32)),
     state_dict_type=st.sampled_from(["sharded", "full"]),
+)
+
+
+sharding_choices = st.one_of(
+    st.tuples(st.just("full"), st.one_of(st.none(), st.just(True), st.integers(1, 64))),
+    st.tuples(st.just("grad_op"), st.one_of(st.none(), st.just(False))),
+)
+configs = sharding_choices.flatmap(
+    lambda sharding: st.builds(
+        PrepConfig,
+        sharding=st.just(sharding[0]),
+        reshard_after_forward=st.just(sharding[1]),
+        **_other_fields,
+    )
 )
 
 

@@ -72,6 +72,12 @@ def test_from_env_without_launcher_is_single_process() -> None:
     assert t.world_size == 1 and t.launcher == "none"
 
 
+def test_from_env_world_without_rank_is_refused() -> None:
+    with pytest.raises(TopologyError) as info:
+        Topology.from_env({"WORLD_SIZE": "4"}, device_type="cpu")
+    assert info.value.subject == "RANK"
+
+
 def test_from_env_bad_value_names_the_variable() -> None:
     with pytest.raises(TopologyError) as info:
         Topology.from_env({"WORLD_SIZE": "two"}, device_type="cpu")

@@ -7,6 +7,7 @@ CPU too.
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from fprep.state import PrepState, need
 
 
 def bf16_compress_allreduce(
-    process_group: dist.ProcessGroup | None, bucket: Any
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average a gradient bucket in bfloat16 (the gloo-compatible bf16 compression hook)."""
     group = process_group if process_group is not None else dist.group.WORLD
@@ -32,6 +33,12 @@ def bf16_compress_allreduce(
         return out
 
     return future.then(decompress)
+
+
+# DDP's register_comm_hook compares the hook's annotations with ``dist.GradBucket`` and
+# ``Future[Tensor]`` themselves; under ``from __future__ import annotations`` they are strings,
+# which it refuses ("bucket annotation should be dist.GradBucket"). Store the evaluated ones.
+bf16_compress_allreduce.__annotations__ = typing.get_type_hints(bf16_compress_allreduce)
 
 
 def register_comm_hook(ddp: Any, hook: str, group: Any, rank: int, start_iter: int) -> None:
@@ -63,11 +70,12 @@ def replicate(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]
     handles = handles_of(state)
     device = handles.device
     device_ids = [device.index] if device.type in ("cuda", "xpu") else None
+    kwargs: dict[str, Any] = dict(runtime.ddp_kwargs)
+    # torch 2.13 deprecates broadcast_buffers in favour of forward_sync_buffers (same meaning
+    # in forward; buffers are still synced once at construction).
+    kwargs["forward_sync_buffers"] = kwargs.pop("broadcast_buffers", True)
     ddp = DistributedDataParallel(
-        model,
-        device_ids=device_ids,
-        process_group=handles.process_group,
-        **dict(runtime.ddp_kwargs),  # type: ignore[arg-type]
+        model, device_ids=device_ids, process_group=handles.process_group, **kwargs
     )
     options = state.config.ddp
     register_comm_hook(

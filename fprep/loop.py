@@ -1,0 +1,177 @@
+"""Training-loop helpers: plain functions over (state, model, optimizer, ...), no wrappers.
+
+They work with the user's own PyTorch objects and keep no global state, so they drop into any
+research loop:
+
+    for i, (x, y) in enumerate(loader):
+        last = (i + 1) % accum == 0
+        with fprep.accumulate(state, model, sync=last):
+            loss = loss_fn(model(x), y) / accum
+            fprep.backward(state, model, loss)
+        if last:
+            fprep.clip_grad_norm(state, model, 1.0, optimizer=opt)
+            fprep.optimizer_step(state, opt, scheduler)
+            opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fprep.apply.steps import handles_of
+from fprep.data import PreparedDataLoader
+from fprep.state import PrepState, need
+
+#: Attribute ``accumulate`` sets on a fast_ddp model while gradient sync is deferred.
+DEFER_SYNC_ATTR = "_fprep_defer_grad_sync"
+
+
+def optimizer_step(
+    state: PrepState, optimizer: torch.optim.Optimizer, scheduler: Any = None
+) -> bool:
+    """Step the optimizer (through the fp16 grad scaler when there is one), then the scheduler
+    — but only if the optimizer really stepped. Returns whether it did.
+
+    An fp16 step whose gradients overflowed is skipped by the scaler (and the scale lowered);
+    the scheduler then stays where it is, so the learning-rate curve follows real steps.
+    """
+    scaler = handles_of(state).grad_scaler
+    if scaler is None:
+        optimizer.step()
+        stepped = True
+    else:
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        stepped = bool(scaler.get_scale() >= before)  # an overflow always lowers the scale
+    if stepped and scheduler is not None:
+        scheduler.step()
+    return stepped
+
+
+@contextlib.contextmanager
+def accumulate(state: PrepState, model: nn.Module, *, sync: bool) -> Iterator[None]:
+    """Run forward and backward of one micro-step; with ``sync=False`` gradients stay local.
+
+    DDP uses ``no_sync()``, FSDP2 ``set_requires_gradient_sync(False)``, fast_ddp skips its
+    fused all-reduce in ``fprep.backward``; gradients then accumulate until a micro-step with
+    ``sync=True`` reduces the sum. Scale each micro-step's loss by ``1 / micro_steps``.
+    """
+    strategy = need(state.core, "init_core", "accumulate").strategy
+    wrapped: Any = model  # DDP / FSDPModule methods are looked up dynamically
+    if sync or strategy == "none":
+        yield
+        return
+    if strategy == "ddp" and hasattr(model, "no_sync"):
+        with wrapped.no_sync():
+            yield
+    elif strategy in ("fsdp", "hsdp") and hasattr(model, "set_requires_gradient_sync"):
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+    elif strategy == "fast_ddp":
+        setattr(model, DEFER_SYNC_ATTR, True)
+        try:
+            yield
+        finally:
+            setattr(model, DEFER_SYNC_ATTR, False)
+    else:
+        yield
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def clip_grad_norm(
+    state: PrepState,
+    model: nn.Module,
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> torch.Tensor:
+    """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping.
+
+    The norm is the single-process norm of the full gradient: sharded (DTensor) gradients are
+    reduced across their mesh, replicated ones counted once. With fp16, pass the optimizer so
+    the gradients are unscaled first.
+    """
+    scaler = handles_of(state).grad_scaler
+    if scaler is not None:
+        if optimizer is None:
+            raise TypeError("clip_grad_norm needs optimizer=... with fp16 (to unscale first)")
+        scaler.unscale_(optimizer)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sharded: list[Any] = [g for g in grads if _is_dtensor(g)]
+    plain = [g for g in grads if not _is_dtensor(g)]
+    norms: list[torch.Tensor] = []
+    if sharded:
+        total: Any = nn.utils.get_total_norm(sharded, norm_type)
+        norms.append(total.full_tensor() if _is_dtensor(total) else total)
+    if plain:
+        norms.append(nn.utils.get_total_norm(plain, norm_type))
+    if not norms:
+        return torch.tensor(0.0)
+    stacked = torch.stack([n.to(norms[0].device) for n in norms])
+    if math.isinf(norm_type):
+        total_norm = stacked.max()
+    else:
+        total_norm = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in plain:
+            g.mul_(coef.to(g.device))
+        for g in sharded:  # scale each rank's shard: no collective, no DTensor dispatch
+            local = g.to_local()
+            local.mul_(coef.to(local.device))
+    return total_norm
+
+
+def gather_for_metrics(
+    state: PrepState, tensor: torch.Tensor, loader: PreparedDataLoader | None = None
+) -> torch.Tensor:
+    """All ranks' ``tensor`` (batch dimension first) concatenated, every sample once.
+
+    With a prepared loader using even batches, the samples that were repeated to even out the
+    last batches are dropped, so metrics over an epoch count each dataset sample exactly once.
+    """
+    core = need(state.core, "init_core", "gather_for_metrics")
+    if not core.is_distributed or not dist.is_initialized():
+        return tensor
+    world = dist.get_world_size()
+    size = torch.tensor([tensor.shape[0]], device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    counts = [int(s.item()) for s in sizes]
+    longest = max(counts)
+    padded = tensor
+    if tensor.shape[0] < longest:
+        pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+        padded = torch.cat([tensor, pad])
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous())
+    keep = _kept_counts(counts, loader, world)
+    return torch.cat([part[:k] for part, k in zip(parts, keep, strict=True)])
+
+
+def _kept_counts(counts: list[int], loader: PreparedDataLoader | None, world: int) -> list[int]:
+    """Per rank, how many of this batch's samples are real (not repeated by even batches)."""
+    if loader is None or loader.remainder == 0 or loader.dataset_len is None:
+        return counts
+    n, bs = loader.dataset_len, loader.spec.batch_size
+    start = (loader.batches - 1) * bs if loader.batches else 0  # position of this batch
+    kept = []
+    for rank, count in enumerate(counts):
+        # rank r's j-th sample of the epoch is global position j * world + r
+        kept.append(sum(1 for j in range(start, start + count) if j * world + rank < n))
+    return kept

@@ -1,0 +1,105 @@
+"""Optimizer rebinding: keep an optimizer pointed at the parameters that really train.
+
+``fully_shard`` replaces every managed ``Parameter`` with a new (DTensor) one, so an optimizer
+built before sharding would silently step tensors nobody uses. fprep records each optimizer
+parameter's canonical FQN before any effect (``optimizer_fqns``, which also refuses parameters
+that are not the model's) and afterwards points every param group at the new parameters
+(``rebind_optimizer``), keeping hyperparameters and moving existing state, sharded like the
+parameter it belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fprep.errors import PrepareError
+from fprep.snapshot import clean_fqn
+
+OptimizerFQNs = tuple[tuple[str, ...], ...]
+
+
+def _user_module(model: nn.Module) -> nn.Module:
+    """Look through DDP, whose ``module.`` prefix is not part of the user's names."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    assert isinstance(inner, nn.Module)
+    return inner
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> canonical FQN`` (first registered name, wrapper parts removed)."""
+    names: dict[int, str] = {}
+    for name, p in _user_module(model).named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), clean_fqn(name))
+    return names
+
+
+def optimizer_fqns(
+    model: nn.Module, optimizer: torch.optim.Optimizer, index: int = 0
+) -> OptimizerFQNs:
+    """Each param group's parameters by canonical FQN; a foreign parameter is a PrepareError."""
+    names = canonical_names(model)
+    groups: list[tuple[str, ...]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        fqns: list[str] = []
+        for i, p in enumerate(group["params"]):
+            name = names.get(id(p))
+            if name is None:
+                raise PrepareError(
+                    f"optimizer {index} (param group {g}, position {i}) holds a parameter of "
+                    f"shape {tuple(p.shape)} that is not a parameter of the model.",
+                    subject=f"optimizer[{index}].param_groups[{g}].params[{i}]",
+                    hint="Build the optimizer from model.parameters() of the model you prepare.",
+                )
+            fqns.append(name)
+        groups.append(tuple(fqns))
+    return tuple(groups)
+
+
+def _shard_like(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """Move one optimizer-state entry to the new parameter's layout (shard it if it is one)."""
+    if not isinstance(value, torch.Tensor) or value.shape != old.shape or value.dim() == 0:
+        return value
+    target: Any = new
+    if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = value.detach().to(target.to_local().device)
+        return distribute_tensor(local, target.device_mesh, target.placements, src_data_rank=None)
+    return value.to(new.device) if value.device != new.device else value
+
+
+def rebind_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, fqns: OptimizerFQNs, index: int = 0
+) -> None:
+    """Point ``optimizer`` at ``model``'s current parameters, matched by canonical FQN."""
+    by_name: dict[str, nn.Parameter] = {}
+    for name, p in _user_module(model).named_parameters(remove_duplicate=False):
+        by_name.setdefault(clean_fqn(name), p)
+    if len(fqns) != len(optimizer.param_groups):
+        raise PrepareError(
+            f"optimizer {index} has {len(optimizer.param_groups)} param groups but "
+            f"{len(fqns)} were recorded before prepare.",
+            subject=f"optimizer[{index}]",
+            hint="Do not add param groups while prepare runs.",
+        )
+    for g, (group, names) in enumerate(zip(optimizer.param_groups, fqns, strict=True)):
+        new_params: list[nn.Parameter] = []
+        for i, (old, name) in enumerate(zip(group["params"], names, strict=True)):
+            new = by_name.get(name)
+            if new is None:
+                raise PrepareError(
+                    f"optimizer {index}'s parameter {name!r} (group {g}, position {i}) is not "
+                    "in the prepared model.",
+                    subject=name,
+                    hint="Was the module removed or ignored by a custom step?",
+                )
+            if new is not old and old in optimizer.state:
+                entries = optimizer.state.pop(old)
+                optimizer.state[new] = {k: _shard_like(v, old, new) for k, v in entries.items()}
+            new_params.append(new)
+        group["params"] = new_params
