@@ -1,9 +1,10 @@
 """Per-rank memory estimate from a plan: parameters, gradients, optimizer state, in bytes.
 
 Counts what the engines allocate for the planned dtypes: FSDP2 keeps the padded dim-0 shard of
-each parameter (and, with CPU offload, on the host), sharded gradients of the same size, and
-optimizer state over the shard; DDP and fast_ddp keep everything whole. The transient all-gather
-of the largest unit (in the compute dtype) is reported separately.
+each parameter (on the host with CPU offload) and gradients and optimizer state at the unpadded
+local shard shape; DDP and fast_ddp keep everything whole (DDP adds its gradient buckets,
+fast_ddp its fused buffer). The transient all-gather of the largest unit (in the compute dtype)
+is reported separately.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def estimate_memory(state: PrepState) -> MemoryEstimate:
             size = dtype_bytes(p.dtype)
             params += p.padded_numel * size
             if p.requires_grad:
-                grads += p.padded_numel * size
-                trainable += p.padded_numel * size
+                # FSDP2 allocates gradients (and optimizer state) at the unpadded local shape
+                grads += p.local_numel * size
+                trainable += p.local_numel * size
                 if runtime.fast_ddp_dtype is not None:
                     fused += p.numel * dtype_bytes(runtime.fast_ddp_dtype)
             unsharded += p.numel * dtype_bytes(compute or p.dtype)

@@ -240,55 +240,62 @@ class ModuleTree:
         modules: list[ModuleInfo] = []
         params: dict[int, tuple[list[str], torch.Tensor]] = {}
         buffers: list[BufferInfo] = []
-        mro_cache: dict[type, tuple[str, ...]] = {}
+        # Per class: its MRO names and whether it has reset_parameters (looked up once).
+        class_cache: dict[type, tuple[tuple[str, ...], bool]] = {}
 
         stack: list[tuple[str, nn.Module]] = [("", model)]
         while stack:
             prefix, mod = stack.pop()
             kind = type(mod)
-            mro = mro_cache.get(kind)
-            if mro is None:
-                mro = tuple(f"{k.__module__}.{k.__qualname__}" for k in kind.__mro__)
-                mro_cache[kind] = mro
+            known = class_cache.get(kind)
+            if known is None:
+                known = (
+                    tuple(f"{k.__module__}.{k.__qualname__}" for k in kind.__mro__),
+                    callable(getattr(kind, "reset_parameters", None)),
+                )
+                class_cache[kind] = known
+            mro, has_reset = known
+            dot = prefix + "." if prefix else ""  # join_fqn(prefix, name) == dot + name
             param_names: list[str] = []
             for name, p in mod._parameters.items():
                 if p is None:
                     continue
                 param_names.append(name)
-                full = join_fqn(prefix, name)
                 seen = params.get(id(p))
                 if seen is None:
-                    params[id(p)] = ([full], p)
+                    params[id(p)] = ([dot + name], p)
                 else:
-                    seen[0].append(full)
-            non_persistent = mod._non_persistent_buffers_set
+                    seen[0].append(dot + name)
             buffer_names: list[str] = []
-            for name, b in mod._buffers.items():
-                if b is None:
-                    continue
-                buffer_names.append(name)
-                buffers.append(
-                    BufferInfo(
-                        fqn=join_fqn(prefix, name),
-                        shape=tuple(b.shape),
-                        dtype=dtype_name(b.dtype),
-                        device=str(b.device),
-                        persistent=name not in non_persistent,
+            if mod._buffers:
+                non_persistent = mod._non_persistent_buffers_set
+                for name, b in mod._buffers.items():
+                    if b is None:
+                        continue
+                    buffer_names.append(name)
+                    buffers.append(
+                        BufferInfo(
+                            fqn=dot + name,
+                            shape=tuple(b.shape),
+                            dtype=dtype_name(b.dtype),
+                            device=str(b.device),
+                            persistent=name not in non_persistent,
+                        )
                     )
-                )
-            children = [(join_fqn(prefix, n), c) for n, c in mod._modules.items() if c is not None]
+            children = [(dot + n, c) for n, c in mod._modules.items() if c is not None]
             modules.append(
                 ModuleInfo(
                     fqn=prefix,
                     cls=mro[0],
                     mro=mro,
-                    children=tuple(fqn for fqn, _ in children),
+                    children=tuple([fqn for fqn, _ in children]),
                     param_names=tuple(param_names),
                     buffer_names=tuple(buffer_names),
-                    has_reset_parameters=callable(getattr(kind, "reset_parameters", None)),
+                    has_reset_parameters=has_reset,
                 )
             )
-            stack.extend(reversed(children))
+            children.reverse()
+            stack.extend(children)
 
         param_infos = tuple(
             ParamInfo(

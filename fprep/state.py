@@ -10,6 +10,7 @@ the prepare steps keep them in a separate runtime object, so plans stay comparab
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -92,8 +93,9 @@ class ProcessGroupState:
     def shard_size(self) -> int:
         return len(self.shard_group)
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
+        """This rank's index in its shard group (looked up once; the group may be large)."""
         return self.shard_group.index(self.rank)
 
     @property
