@@ -6,6 +6,7 @@ and the config (``fprep.plan``); effectful steps then apply it with PyTorch's ow
 
 from fprep.apply import Handles, Step, all_reduce_gradients, pipeline, step
 from fprep.config import DDPOptions, PrepConfig
+from fprep.data import PreparedDataLoader, prepare_data_loader
 from fprep.errors import (
     ConfigError,
     DeviceError,
@@ -16,9 +17,10 @@ from fprep.errors import (
     PrepError,
     TopologyError,
 )
+from fprep.loop import accumulate, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
-from fprep.prepare import backward, default_steps, prepare
+from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
 from fprep.snapshot import BufferInfo, ModuleInfo, ModuleTree, ParamInfo
 from fprep.state import (
     GroupSpec,
@@ -42,6 +44,7 @@ from fprep.transitions import (
     init_state_dict,
     transition,
 )
+from fprep.unwrap import unwrap
 
 __version__ = "0.1.0"
 
@@ -65,17 +68,21 @@ __all__ = [
     "PrepError",
     "PrepState",
     "PrepareError",
+    "PreparedDataLoader",
     "ShardSpec",
     "Step",
     "Topology",
     "TopologyError",
     "Transition",
     "WrapUnit",
+    "accumulate",
     "all_reduce_gradients",
     "backward",
     "chain",
+    "clip_grad_norm",
     "default_steps",
     "estimate_memory",
+    "gather_for_metrics",
     "init_buffers",
     "init_core",
     "init_device",
@@ -87,9 +94,13 @@ __all__ = [
     "init_runtime",
     "init_state_dict",
     "initial_state",
+    "optimizer_step",
     "pipeline",
     "plan",
     "prepare",
+    "prepare_data_loader",
+    "prepare_optimizer",
     "step",
     "transition",
+    "unwrap",
 ]

@@ -41,7 +41,11 @@ ParamInitFn: TypeAlias = Callable[[nn.Module], None]
 
 # -- small validators ------------------------------------------------------------------------
 def _fail(owner: str, name: str, message: str, hint: str = "") -> ConfigError:
-    return ConfigError(f"{owner}.{name} {message}", subject=name, hint=hint)
+    # Nested options are named by their path from PrepConfig ("ddp.comm_hook").
+    path = owner.removeprefix("PrepConfig").lstrip(".")
+    return ConfigError(
+        f"{owner}.{name} {message}", subject=f"{path}.{name}" if path else name, hint=hint
+    )
 
 
 def _check_choice(owner: str, name: str, value: object, literal: object) -> None:
@@ -201,7 +205,7 @@ class DDPOptions:
     powersgd_start_iter: int = 2
 
     def __post_init__(self) -> None:
-        owner = "DDPOptions"
+        owner = "PrepConfig.ddp"
         _check_number(owner, "bucket_cap_mb", self.bucket_cap_mb)
         for name in (
             "find_unused_parameters",
@@ -251,6 +255,9 @@ class PrepConfig:
     param_init_fn: ParamInitFn | None = None
     reproducible_init: bool = True
     seed: int | None = None
+    # data loading
+    even_batches: bool = True
+    split_batches: bool = False
     # checkpoints and process groups
     state_dict_type: StateDictType = "sharded"
     timeout_s: float = 1800.0
@@ -300,6 +307,8 @@ class PrepConfig:
             "activation_checkpointing",
             "sync_module_states",
             "reproducible_init",
+            "even_batches",
+            "split_batches",
         ):
             _check_bool(o, name, getattr(self, name))
         _check_choice(o, "offload", self.offload, Offload)

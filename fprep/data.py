@@ -203,12 +203,19 @@ def prepare_data_loader(
     state: PrepState,
     loader: DataLoader[Any],
     *,
-    even_batches: bool = True,
-    split_batches: bool = False,
+    even_batches: bool | None = None,
+    split_batches: bool | None = None,
     seed: int | None = None,
     device_placement: bool | None = None,
 ) -> PreparedDataLoader:
-    """A new loader over the same dataset that reads this rank's share (see module docs)."""
+    """A new loader over the same dataset that reads this rank's share (see module docs).
+
+    ``even_batches`` / ``split_batches`` default to the PrepConfig fields of the same names.
+    """
+    if even_batches is None:
+        even_batches = state.config.even_batches
+    if split_batches is None:
+        split_batches = state.config.split_batches
     if isinstance(loader, PreparedDataLoader):
         raise ConfigError(
             "this data loader is already prepared.",

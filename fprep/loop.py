@@ -25,12 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.steps import handles_of
 from fprep.data import PreparedDataLoader
 from fprep.state import PrepState, need
-
-#: Attribute ``accumulate`` sets on a fast_ddp model while gradient sync is deferred.
-DEFER_SYNC_ATTR = "_fprep_defer_grad_sync"
 
 
 def optimizer_step(

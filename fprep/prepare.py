@@ -24,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
+import torch
 from returns.result import Failure
 from torch import nn
+from torch.utils.data import DataLoader
 
 from fprep.apply import (
     checkpoint,
@@ -42,9 +44,12 @@ from fprep.apply import (
     step,
     sync_module_states,
 )
-from fprep.apply.steps import Step, handles_of
+from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
+from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.config import PrepConfig
-from fprep.errors import ConfigError
+from fprep.data import prepare_data_loader
+from fprep.errors import ConfigError, PrepareError
+from fprep.optim import canonical_names, optimizer_fqns, rebind_optimizer
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
@@ -147,9 +152,12 @@ def prepare(
 ) -> tuple[Any, ...]:
     """Plan and apply; return ``(state, model, *objects)`` in input order.
 
-    Raises the ``PrepError`` itself when the plan fails (before any effect). ``steps`` replaces
-    the default pipeline (see ``default_steps``); ``device_placement`` is one bool per prepared
-    object (the model first) and overrides ``PrepConfig.device_placement``.
+    Raises the ``PrepError`` itself when the plan fails (before any effect). Optimizers among
+    ``objects`` are rebound to the prepared model's parameters (by name), so they may be built
+    before ``prepare``; one holding a parameter that is not the model's is refused, before any
+    effect. ``steps`` replaces the default pipeline (see ``default_steps``);
+    ``device_placement`` is one bool per prepared object (the model first) and overrides
+    ``PrepConfig.device_placement``.
     """
     cfg = PrepConfig() if cfg is None else cfg
     if device_placement is not None:
@@ -165,7 +173,7 @@ def prepare(
     for i, obj in enumerate(objects):
         if isinstance(obj, nn.Module):
             raise ConfigError(
-                f"argument {i + 2} is a second model ({type(obj).__name__}); prepare takes one "
+                f"argument {i + 3} is a second model ({type(obj).__name__}); prepare takes one "
                 "model per call.",
                 subject="objects",
                 hint="Call fprep.prepare once per model: each call returns its own state.",
@@ -174,11 +182,57 @@ def prepare(
     if isinstance(result, Failure):
         raise result.failure()
     state = result.unwrap()
+    # Sharding and meta-device materialization replace Parameter objects: record what each
+    # optimizer holds by name now (refusing foreign parameters before any effect) and point it
+    # at the new parameters afterwards, so that an optimizer built before prepare still trains.
+    optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+    recorded = [(opt, optimizer_fqns(model, opt, i)) for i, opt in enumerate(optimizers)]
     run = pipeline(
         *(steps if steps is not None else default_steps(mesh=mesh, process_group=process_group))
     )
+    before = canonical_names(model)
     state, prepared = run(state, model)
-    return (state, prepared, *objects)
+    state = with_handles(state, param_fqns_before=before)
+    for i, (opt, fqns) in enumerate(recorded):
+        rebind_optimizer(prepared, opt, fqns, i)
+    flags = list(device_placement[1:]) if device_placement is not None else [None] * len(objects)
+    out = [
+        prepare_data_loader(state, obj, device_placement=flag)
+        if isinstance(obj, DataLoader)
+        else obj
+        for obj, flag in zip(objects, flags, strict=True)
+    ]
+    return (state, prepared, *out)
+
+
+def prepare_optimizer(
+    state: PrepState, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    """Point an optimizer that was not passed to ``prepare`` at the prepared parameters.
+
+    Parameters it holds are matched by name: current ones as they are, ones the model had
+    before ``prepare`` (replaced by sharding or materialization) by the names recorded then.
+    Hyperparameters and state are kept; a parameter that matches neither is a PrepareError.
+    """
+    current = canonical_names(model)
+    before = handles_of(state).param_fqns_before or {}
+    fqns: list[tuple[str, ...]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        names: list[str] = []
+        for i, p in enumerate(group["params"]):
+            name = current.get(id(p)) or before.get(id(p))
+            if name is None:
+                raise PrepareError(
+                    f"optimizer param group {g}, position {i} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is neither the prepared model's nor one it had "
+                    "before prepare.",
+                    subject=f"param_groups[{g}].params[{i}]",
+                    hint="Build the optimizer from the model you prepared.",
+                )
+            names.append(name)
+        fqns.append(tuple(names))
+    rebind_optimizer(model, optimizer, tuple(fqns))
+    return optimizer
 
 
 def backward(state: PrepState, model: nn.Module, loss: Any) -> None:
@@ -189,7 +243,8 @@ def backward(state: PrepState, model: nn.Module, loss: Any) -> None:
     else:
         loss.backward()
     runtime = state.runtime
-    if runtime is not None and runtime.fast_ddp_dtype is not None:
+    deferred = getattr(model, DEFER_SYNC_ATTR, False)  # inside fprep.accumulate(sync=False)
+    if runtime is not None and runtime.fast_ddp_dtype is not None and not deferred:
         from fprep.apply.fast_ddp import all_reduce_gradients
 
         all_reduce_gradients(state, model)

@@ -59,13 +59,13 @@ def init_fn(module: nn.Module) -> None:
         ("ddp", 3, ["ddp", "DDPOptions"]),
         ("reduce_dtype", "fp32", ["reduce_dtype", "'float32'"]),
         ("timeout_s", float("nan"), ["timeout_s"]),
-        ("ddp", {"bucket_cap_mb": float("inf")}, ["bucket_cap_mb"]),
+        ("ddp", {"bucket_cap_mb": float("inf")}, ["ddp.bucket_cap_mb"]),
     ],
 )
 def test_bad_field_names_field_and_allowed_values(field: str, value: Any, words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
         PrepConfig(**{field: value})
-    assert info.value.subject == field
+    assert info.value.subject.split(".")[0] == field
     text = str(info.value)
     for word in words:
         assert word in text, (word, text)
@@ -101,7 +101,7 @@ def test_wrap_accepts_import_strings_for_callables() -> None:
 def test_ddp_options_are_validated_and_accept_a_dict() -> None:
     with pytest.raises(ConfigError) as info:
         fprep.DDPOptions(comm_hook="bf17")  # type: ignore[arg-type]
-    assert info.value.subject == "comm_hook" and "'bf16'" in str(info.value)
+    assert info.value.subject == "ddp.comm_hook" and "'bf16'" in str(info.value)
     cfg = PrepConfig(ddp={"bucket_cap_mb": 50, "static_graph": True})  # type: ignore[arg-type]
     assert cfg.ddp == fprep.DDPOptions(bucket_cap_mb=50, static_graph=True)
     with pytest.raises(ConfigError) as info:

@@ -1,10 +1,10 @@
 """fast_ddp: data parallelism without a wrapper (optimum-habana's ``fast_ddp``).
 
-The step broadcasts parameters and buffers from rank 0 once. After each backward,
-``all_reduce_gradients(state, model)`` packs every gradient into one fused buffer (dtype from
-``PrepConfig.fast_ddp_dtype``), scales it by 1/world, all-reduces it once and unpacks it: one
-collective per step instead of DDP's bucketed hooks. Parameters that got no gradient on any rank
-receive zeros.
+The step broadcasts parameters and buffers once, from the data-parallel group's first rank (rank
+0 of the job for the default group). After each backward, ``all_reduce_gradients(state, model)``
+packs every gradient into one fused buffer (dtype from ``PrepConfig.fast_ddp_dtype``), scales it
+by 1/world, all-reduces it once and unpacks it: one collective per step instead of DDP's bucketed
+hooks. Parameters that got no gradient on any rank receive zeros.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from fprep.apply.steps import handles_of, step
 from fprep.errors import PrepareError
 from fprep.state import PrepState, need
 
+#: Attribute ``fprep.accumulate`` sets on a fast_ddp model while gradient sync is deferred.
+DEFER_SYNC_ATTR = "_fprep_defer_grad_sync"
+
 
 @step("fast_ddp")
 def fast_ddp(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
@@ -26,7 +29,8 @@ def fast_ddp(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     group = handles_of(state).process_group
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0, group=group)
+            # From the group's first rank: global rank 0 is not in every data-parallel group.
+            dist.broadcast(tensor, group=group, group_src=0)
     return state, model
 
 

@@ -7,7 +7,6 @@ CPU too.
 
 from __future__ import annotations
 
-import typing
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from fprep.state import PrepState, need
 
 
 def bf16_compress_allreduce(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+    process_group: dist.ProcessGroup | None, bucket: Any
 ) -> torch.futures.Future[torch.Tensor]:
     """Average a gradient bucket in bfloat16 (the gloo-compatible bf16 compression hook)."""
     group = process_group if process_group is not None else dist.group.WORLD
@@ -35,10 +34,11 @@ def bf16_compress_allreduce(
     return future.then(decompress)
 
 
-# DDP's register_comm_hook compares the hook's annotations with ``dist.GradBucket`` and
-# ``Future[Tensor]`` themselves; under ``from __future__ import annotations`` they are strings,
-# which it refuses ("bucket annotation should be dist.GradBucket"). Store the evaluated ones.
-bf16_compress_allreduce.__annotations__ = typing.get_type_hints(bf16_compress_allreduce)
+# DDP's register_comm_hook accepts a hook whose annotations are absent or exactly
+# ``dist.GradBucket`` / ``Future[Tensor]``; under ``from __future__ import annotations`` they are
+# strings, which it refuses ("bucket annotation should be dist.GradBucket"). Drop them at runtime
+# (the static ones above stay for type checkers).
+bf16_compress_allreduce.__annotations__ = {}
 
 
 def register_comm_hook(ddp: Any, hook: str, group: Any, rank: int, start_iter: int) -> None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+_POLL_S = 1.0  # how often the parent checks for ranks that died without reporting
 
 
 class RankError(RuntimeError):
@@ -61,7 +64,12 @@ def _worker(
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0
 ) -> list[Any]:
-    """``[fn(*args) on rank 0, ..., on rank world_size - 1]``; ``fn`` must be picklable."""
+    """``[fn(*args) on rank 0, ..., on rank world_size - 1]``; ``fn`` must be picklable.
+
+    Raises ``RankError`` as soon as a rank raises, or exits without a result (a crash, a
+    result that cannot be pickled), and ``TimeoutError`` when ``timeout_s`` passes first. The
+    other ranks are then killed after a short grace period instead of being waited for.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -72,21 +80,40 @@ def run_ranks(
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    failed = True
     try:
+        deadline = time.monotonic() + timeout_s
         while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                rank, ok, value = results.get(timeout=_POLL_S)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(
-                    f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                ) from None
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead:
+                    try:  # what a rank sent just before it exited may still be in flight
+                        rank, ok, value = results.get(timeout=_POLL_S)
+                    except queue.Empty:
+                        codes = ", ".join(f"{r} (exit code {procs[r].exitcode})" for r in dead)
+                        raise RankError(
+                            f"rank {codes} exited without a result (a crash, or a return "
+                            "value that cannot be pickled)"
+                        ) from None
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                    ) from None
+                else:
+                    continue
             if not ok:
                 raise RankError(f"rank {rank} raised:\n{value}")
             out[rank] = value
+        failed = False
     finally:
+        # After a failure the other ranks may wait forever in a collective: short grace.
+        grace = 2.0 if failed else 10.0
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     return [out[r] for r in range(world_size)]

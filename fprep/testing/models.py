@@ -62,11 +62,12 @@ def _check_positive(owner: str, **values: int) -> None:
 def _build(
     factory: type[nn.Module],
     config: object,
-    device: DeviceLike,
+    device: DeviceLike | None,
     dtype: torch.dtype | None,
     seed: int | None,
 ) -> nn.Module:
-    dev = torch.device(device)
+    # None: the current default device, so ``with torch.device("meta"): tiny_gpt()`` is meta.
+    dev = torch.device(device) if device is not None else torch.get_default_device()
     if seed is None or dev.type == "meta":
         with dev:
             model = factory(config)
@@ -234,7 +235,7 @@ class Llama(nn.Module):
 
 def llama(
     config: LlamaConfig,
-    device: DeviceLike = "meta",
+    device: DeviceLike | None = "meta",
     *,
     dtype: torch.dtype | None = None,
     seed: int | None = None,
@@ -297,13 +298,14 @@ def llama_8b(device: DeviceLike = "meta", *, dtype: torch.dtype | None = None) -
 
 
 def llama_tiny(
-    device: DeviceLike = "cpu",
+    device: DeviceLike | None = None,
     *,
     dtype: torch.dtype | None = None,
     seed: int = 0,
     tie_embeddings: bool = False,
 ) -> Llama:
-    """A small ``Llama`` (``LLAMA_TINY``) on the CPU by default, deterministic for ``seed``."""
+    """A small ``Llama`` (``LLAMA_TINY``) on the default device (CPU unless a ``torch.device``
+    context says otherwise), deterministic for ``seed``."""
     config = LLAMA_TINY if not tie_embeddings else LlamaConfig(tie_embeddings=True)
     return llama(config, device, dtype=dtype, seed=seed)
 
@@ -420,10 +422,11 @@ def tiny_gpt(
     config: GPTConfig | None = None,
     *,
     seed: int = 0,
-    device: DeviceLike = "cpu",
+    device: DeviceLike | None = None,
     dtype: torch.dtype | None = None,
 ) -> GPT:
-    """A tiny ``GPT`` whose weights depend only on ``seed`` (the global RNG is left as it was)."""
+    """A tiny ``GPT`` whose weights depend only on ``seed`` (the global RNG is left as it was),
+    on the default device (CPU unless a ``torch.device`` context says otherwise)."""
     model = _build(GPT, config or GPTConfig(), device, dtype, seed)
     assert isinstance(model, GPT)
     return model
