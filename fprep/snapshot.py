@@ -26,11 +26,19 @@ WRAPPER_PARTS: frozenset[str] = frozenset(
     }
 )
 
+#: Containers without a forward of their own (used when ``ModuleInfo.has_forward`` is unknown).
+NO_FORWARD_CONTAINERS: frozenset[str] = frozenset(
+    {"torch.nn.modules.container.ModuleList", "torch.nn.modules.container.ModuleDict"}
+)
+
 _SHARDED_MARKERS = (
     "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule",
     "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
 )
 _REPLICATED_MARKERS = ("torch.nn.parallel.distributed.DistributedDataParallel",)
+
+#: ``nn.Module.forward`` of a class that does not define one (ModuleList, ModuleDict, ...).
+_UNIMPLEMENTED_FORWARD = nn.Module.forward
 
 #: Attribute that ``prepare`` sets on a model it has prepared (so a second prepare is refused).
 PREPARED_ATTR = "_fprep_prepared"
@@ -144,6 +152,8 @@ class ModuleInfo:
     param_names: tuple[str, ...] = ()  # local names of directly registered parameters
     buffer_names: tuple[str, ...] = ()  # local names of directly registered buffers
     has_reset_parameters: bool = True
+    #: Whether the class defines a forward (``None``: judge by class name, for hand-built trees)
+    has_forward: bool | None = None
 
     @property
     def class_name(self) -> str:
@@ -156,6 +166,13 @@ class ModuleInfo:
         if "." in qualified_or_bare:
             return qualified_or_bare in names
         return any(n.rpartition(".")[2] == qualified_or_bare for n in names)
+
+    @property
+    def can_run_forward(self) -> bool:
+        """False for containers such as ModuleList / ModuleDict, which cannot be wrap units."""
+        if self.has_forward is not None:
+            return self.has_forward
+        return self.cls not in NO_FORWARD_CONTAINERS
 
     @property
     def is_sharded(self) -> bool:
@@ -241,7 +258,7 @@ class ModuleTree:
         params: dict[int, tuple[list[str], torch.Tensor]] = {}
         buffers: list[BufferInfo] = []
         # Per class: its MRO names and whether it has reset_parameters (looked up once).
-        class_cache: dict[type, tuple[tuple[str, ...], bool]] = {}
+        class_cache: dict[type, tuple[tuple[str, ...], bool, bool]] = {}
 
         stack: list[tuple[str, nn.Module]] = [("", model)]
         while stack:
@@ -252,9 +269,10 @@ class ModuleTree:
                 known = (
                     tuple(f"{k.__module__}.{k.__qualname__}" for k in kind.__mro__),
                     callable(getattr(kind, "reset_parameters", None)),
+                    getattr(kind, "forward", None) is not _UNIMPLEMENTED_FORWARD,
                 )
                 class_cache[kind] = known
-            mro, has_reset = known
+            mro, has_reset, has_forward = known
             dot = prefix + "." if prefix else ""  # join_fqn(prefix, name) == dot + name
             param_names: list[str] = []
             for name, p in mod._parameters.items():
@@ -292,6 +310,7 @@ class ModuleTree:
                     param_names=tuple(param_names),
                     buffer_names=tuple(buffer_names),
                     has_reset_parameters=has_reset,
+                    has_forward=has_forward,
                 )
             )
             children.reverse()

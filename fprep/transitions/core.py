@@ -8,8 +8,17 @@ elsewhere. Any strategy at world size 1 resolves to ``"none"``, with a note sayi
 from __future__ import annotations
 
 from fprep.errors import ConfigError, DeviceError, ModelError, PrepareError, TopologyError
-from fprep.state import CoreState, DeviceState, PrecisionPolicy, PrepState, ResolvedStrategy, need
+from fprep.state import (
+    CoreState,
+    DeviceState,
+    IgnoredState,
+    PrecisionPolicy,
+    PrepState,
+    ResolvedStrategy,
+    need,
+)
 from fprep.transitions._base import transition
+from fprep.transitions.device import normalize_device
 
 _FP8_DEVICES = ("cuda", "hpu")
 
@@ -45,7 +54,7 @@ def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
     )
 
 
-def _check_not_prepared(state: PrepState) -> None:
+def _check_not_prepared(state: PrepState, ignored: IgnoredState) -> None:
     root = state.tree.root
     if state.tree.prepared or root.is_sharded or root.is_replicated:
         raise PrepareError(
@@ -55,11 +64,12 @@ def _check_not_prepared(state: PrepState) -> None:
             "unprepared model (fprep.unwrap gives it back).",
         )
     for m in state.tree.modules[1:]:
-        if m.is_sharded and m.fqn not in need(state.ignored, "init_ignored", "init_core").modules:
+        if m.is_sharded and m.fqn not in ignored.modules:
             raise ModelError(
                 f"submodule {m.fqn!r} is already sharded by FSDP.",
                 subject=m.fqn,
-                hint="Let fprep shard the whole model, or put the module in ignored_modules.",
+                hint="Prepare the unsharded model: fprep shards every unit itself (FSDP "
+                "modules cannot be ignored either).",
             )
 
 
@@ -86,7 +96,12 @@ def _check_hf_loading(state: PrepState, strategy: str, device: DeviceState) -> N
             )
         if len(devices) == 1:
             only = next(iter(devices))
-            target = only if ":" in only or not only.isdigit() else f"{device.device_type}:{only}"
+            # device maps name devices as an index ("0"), a type ("cuda") or both ("cuda:0")
+            target = (
+                f"{device.device_type}:{only}"
+                if only.isdigit()
+                else normalize_device(only, state.topology.local_rank)
+            )
             if target != device.compute_device and device.compute_device != "cpu":
                 raise DeviceError(
                     f"a model loaded in {bits} sits on {target} but this rank trains on "
@@ -104,12 +119,30 @@ def _check_hf_loading(state: PrepState, strategy: str, device: DeviceState) -> N
         )
 
 
+def _no_effect_notes(state: PrepState, strategy: str, sharded: bool) -> tuple[str, ...]:
+    """Say which set options this plan does not use, instead of ignoring them silently."""
+    cfg = state.config
+    notes: list[str] = []
+    if cfg.reduce_dtype is not None and (not sharded or cfg.precision == "no"):
+        notes.append(
+            "reduce_dtype has no effect: it applies to sharded strategies with precision set."
+        )
+    if cfg.hsdp_shard_size is not None and strategy != "hsdp":
+        notes.append(f"hsdp_shard_size has no effect with strategy {strategy!r}.")
+    if cfg.compile == "none" and (cfg.compile_backend or cfg.compile_mode):
+        notes.append("compile_backend / compile_mode have no effect with compile='none'.")
+    if cfg.ddp.comm_hook != "none" and strategy == "none" and cfg.strategy == "ddp":
+        notes.append("ddp.comm_hook has no effect: with one process nothing is communicated.")
+    return tuple(notes)
+
+
 @transition
 def init_core(state: PrepState) -> PrepState:
     pg = need(state.process_group, "init_process_group", "init_core")
     device = need(state.device, "init_device", "init_core")
+    ignored = need(state.ignored, "init_ignored", "init_core")
     cfg = state.config
-    _check_not_prepared(state)
+    _check_not_prepared(state, ignored)
 
     strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
     notes: tuple[str, ...] = (note,) if note else ()
@@ -125,12 +158,16 @@ def init_core(state: PrepState) -> PrepState:
                 hint="Use True, False, or a factor of the shard group size.",
             )
         if raf in (1, pg.shard_size):
+            # Resharding to the whole shard group is True (also when the group is 1 rank).
+            resolved = raf == pg.shard_size
             notes += (
-                f"reshard_after_forward={raf} equals "
-                f"{'False' if raf == 1 else 'True'} for shard groups of {pg.shard_size}.",
+                f"reshard_after_forward={raf} equals {resolved} for shard groups of "
+                f"{pg.shard_size}.",
             )
-            raf = raf == pg.shard_size
-    if cfg.offload == "cpu" and not sharded:
+            raf = resolved
+    if cfg.offload == "cpu" and not sharded and cfg.strategy in ("fsdp", "hsdp"):
+        notes += (f"offload='cpu' has no effect: strategy {strategy!r} shards nothing.",)
+    elif cfg.offload == "cpu" and not sharded:
         raise ConfigError(
             f"offload='cpu' needs a sharded strategy (fsdp or hsdp); strategy is {strategy!r}.",
             subject="offload",
@@ -145,6 +182,7 @@ def init_core(state: PrepState) -> PrepState:
         )
     if cfg.activation_checkpointing and cfg.wrap is None:
         notes += ("activation checkpointing without a wrap policy checkpoints the whole model.",)
+    notes += _no_effect_notes(state, strategy, sharded)
     return state.replace(
         core=CoreState(
             requested_strategy=cfg.strategy,

@@ -15,13 +15,18 @@ from typing import cast
 from fprep.config import WrapPolicy, wrap_class_names
 from fprep.errors import ConfigError, ModelError, PrepError
 from fprep.sharding import shard_shape
-from fprep.snapshot import ModuleInfo, ModuleTree, ParamInfo, is_within, parent_fqn
+from fprep.snapshot import (
+    ModuleInfo,
+    ModuleTree,
+    ParamInfo,
+    is_within,
+    parent_fqn,
+)
 from fprep.state import (
     IgnoredState,
     MaterializePlan,
     ParamHandleState,
     PrepState,
-    ProcessGroupState,
     ShardSpec,
     WrapUnit,
     need,
@@ -35,13 +40,24 @@ def _owned_numel(tree: ModuleTree, ignored: IgnoredState) -> dict[str, int]:
     for p in tree.params:
         if p.fqn in ignored.params:
             continue
-        owner = parent_fqn(p.fqn)
+        owner = _common_ancestor(p.owners)  # a tied parameter counts where all owners meet
         owned[owner] = owned.get(owner, 0) + p.numel
     return owned
 
 
+def _common_ancestor(fqns: tuple[str, ...]) -> str:
+    common = fqns[0]
+    for fqn in fqns[1:]:
+        while not is_within(fqn, common):
+            common = parent_fqn(common)
+    return common
+
+
 def _by_size(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set[str]:
-    """FSDP's size policy: wrap a module once what is not yet wrapped below it reaches the size."""
+    """FSDP's size policy: wrap a module once what is not yet wrapped below it reaches the size.
+
+    ``ModuleList`` / ``ModuleDict`` are never wrapped: their count carries on to their parent.
+    """
     owned = _owned_numel(tree, ignored)
     remaining: dict[str, int] = {}
     units: set[str] = set()
@@ -50,7 +66,7 @@ def _by_size(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set[st
             remaining[m.fqn] = 0
             continue
         total = owned.get(m.fqn, 0) + sum(remaining.get(c, 0) for c in m.children)
-        if m.fqn and total >= min_params:
+        if m.fqn and total >= min_params and m.can_run_forward:
             units.add(m.fqn)
             total = 0
         remaining[m.fqn] = total
@@ -94,6 +110,15 @@ def select_units(tree: ModuleTree, wrap: WrapPolicy, ignored: IgnoredState) -> t
         }
     else:
         chosen = _by_predicate(tree, ignored, cast(Callable[[ModuleInfo], bool], wrap))
+    for m in tree.modules[1:]:
+        if m.fqn in chosen and not m.can_run_forward:
+            raise ConfigError(
+                f"the wrap policy selects {m.fqn!r}, a {m.class_name}: a container without a "
+                "forward cannot be a wrap unit (units are sharded, checkpointed and compiled "
+                "through their forward).",
+                subject="wrap",
+                hint=f"Wrap the modules inside {m.fqn!r} (e.g. their block class) instead.",
+            )
     return ("", *(m.fqn for m in tree.modules[1:] if m.fqn in chosen))
 
 
@@ -103,26 +128,42 @@ def _unit_of(module: str, units: frozenset[str]) -> str:
     return module
 
 
-def _assign(p: ParamInfo, units: frozenset[str]) -> str:
-    """The unit managing ``p``: the nearest unit above all modules that register it."""
+def _assign(p: ParamInfo, units: frozenset[str], sharded: bool) -> str:
+    """The unit managing ``p``: the nearest unit above all modules that register it.
+
+    FSDP2 finds a unit's parameters through the modules it owns directly (not through nested
+    units), so a tied parameter whose owners all sit in *other* units below that common unit
+    would reach no unit at all: that is refused when sharding (other strategies use units
+    only as checkpoint / compile regions).
+    """
     owners = {_unit_of(parent_fqn(n), units) for n in p.names}
-    unit = owners.pop()
-    while owners and not all(is_within(o, unit) for o in owners):
+    if len(owners) == 1:
+        return owners.pop()
+    unit = next(iter(owners))
+    while not all(is_within(o, unit) for o in owners):
         unit = _unit_of(parent_fqn(unit), units) if unit else ""
+    if sharded and unit not in owners:
+        raise ModelError(
+            f"parameter {p.fqn!r} is tied across units {', '.join(sorted(map(repr, owners)))}, "
+            f"and none of its modules belongs to their common unit {unit or '<root>'!r}.",
+            subject=p.fqn,
+            hint="Do not wrap those modules as separate units (or wrap a module containing "
+            "both), or untie the parameter.",
+        )
     return unit
 
 
-def _spec(p: ParamInfo, sharded: bool, pg: ProcessGroupState) -> ShardSpec:
-    if sharded and not p.shape:
+def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
+    """``p``'s spec; ``shard`` is ``(shard group size, this rank's index in it)``, or ``None``
+    when ``p`` is kept whole."""
+    if shard is not None and not p.shape:
         raise ModelError(
             f"parameter {p.fqn!r} is a scalar (shape []); FSDP shards along dim 0 and cannot "
             "shard it.",
             subject=p.fqn,
             hint="Register it as a 1-element tensor (shape [1]), or add it to ignored_params.",
         )
-    local, padded = (
-        shard_shape(p.shape, pg.shard_size, pg.shard_rank) if sharded else (p.shape, p.shape)
-    )
+    local, padded = shard_shape(p.shape, *shard) if shard is not None else (p.shape, p.shape)
     return ShardSpec(
         fqn=p.fqn,
         names=p.names,
@@ -136,6 +177,16 @@ def _spec(p: ParamInfo, sharded: bool, pg: ProcessGroupState) -> ShardSpec:
 
 def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
     tree, cfg = state.tree, state.config
+    left_on_meta = [p.fqn for p in tree.params if p.is_meta and p.fqn in ignored.params]
+    left_on_meta += [b.fqn for b in tree.buffers if b.is_meta and b.fqn in ignored.buffers]
+    if left_on_meta:
+        raise ModelError(
+            f"{left_on_meta[0]!r} is on the meta device but ignored: fprep does not initialize "
+            "what it ignores, so it would stay without data.",
+            subject=left_on_meta[0],
+            hint="Initialize ignored modules and parameters yourself before prepare, or stop "
+            "ignoring them.",
+        )
     meta_owners = {parent_fqn(n) for p in tree.params if p.is_meta for n in p.names}
     meta_owners |= {parent_fqn(b.fqn) for b in tree.buffers if b.is_meta}
     meta_owners -= ignored.modules
@@ -175,11 +226,13 @@ def init_param_handles(state: PrepState) -> PrepState:
     units = frozenset(unit_fqns)
     members: dict[str, list[ShardSpec]] = {u: [] for u in unit_fqns}
     kept: list[ShardSpec] = []
+    # Looked up once: ``shard_rank`` searches the shard group (O(world) per call).
+    shard = (pg.shard_size, pg.shard_rank) if core.is_sharded else None
     for p in tree.params:
         if p.fqn in ignored.params:
-            kept.append(_spec(p, False, pg))
+            kept.append(_spec(p, None))
         else:
-            members[_assign(p, units)].append(_spec(p, core.is_sharded, pg))
+            members[_assign(p, units, core.is_sharded)].append(_spec(p, shard))
     ordered = tuple(
         WrapUnit(
             fqn=fqn,

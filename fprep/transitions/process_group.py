@@ -37,11 +37,14 @@ def hybrid_groups(
     return shard_groups, replicate_groups
 
 
-def _from_mesh(mesh: MeshSpec, rank: int, world: int, hybrid: bool) -> ProcessGroupState:
+def _from_mesh(
+    mesh: MeshSpec, rank: int, world: int, strategy: str, shard_size: int | None = None
+) -> ProcessGroupState:
+    hybrid = strategy == "hsdp"
     want = 2 if hybrid else 1
     if mesh.ndim != want:
         raise TopologyError(
-            f"strategy {'hsdp' if hybrid else 'fsdp/ddp'} needs a {want}-D mesh; "
+            f"strategy {strategy!r} needs a {want}-D mesh; "
             f"got a {mesh.ndim}-D mesh of shape {mesh.shape}.",
             subject="mesh",
             hint="For hsdp pass a (replicate, shard) mesh; otherwise a 1-D data-parallel mesh "
@@ -57,8 +60,29 @@ def _from_mesh(mesh: MeshSpec, rank: int, world: int, hybrid: bool) -> ProcessGr
             hint="Build the mesh over every rank of the job (init_device_mesh with the world).",
         )
     ranks = mesh.ranks or tuple(range(mesh.size))
-    if len(ranks) != mesh.size or rank not in ranks:
-        raise TopologyError(f"rank {rank} is not a member of the mesh {ranks}.", subject="mesh")
+    if (
+        len(ranks) != mesh.size
+        or len(set(ranks)) != len(ranks)
+        or any(not 0 <= r < world for r in ranks)
+    ):
+        raise TopologyError(
+            f"the mesh of shape {mesh.shape} lists ranks {ranks}: it needs {mesh.size} distinct "
+            f"ranks below the world size {world}.",
+            subject="mesh",
+        )
+    if rank not in ranks:
+        raise TopologyError(
+            f"rank {rank} is not a member of the mesh {ranks}.",
+            subject="mesh",
+            hint="Pass each rank the mesh it belongs to.",
+        )
+    if hybrid and shard_size is not None and mesh.shape[1] != shard_size:
+        raise TopologyError(
+            f"hsdp_shard_size={shard_size} contradicts the mesh's shard dimension "
+            f"{mesh.shape[1]} (shape {mesh.shape}, dims (replicate, shard)).",
+            subject="hsdp_shard_size",
+            hint="Leave hsdp_shard_size unset when passing a mesh.",
+        )
     flat = ranks.index(rank)
     names = mesh.dim_names or (HSDP_DIM_NAMES if hybrid else DP_DIM_NAMES)
     if hybrid:
@@ -103,7 +127,9 @@ def init_process_group(state: PrepState) -> PrepState:
             hint="Launch the same number of processes on every node.",
         )
     if mesh is not None:
-        return state.replace(process_group=_from_mesh(mesh, rank, world, hybrid))
+        return state.replace(
+            process_group=_from_mesh(mesh, rank, world, cfg.strategy, cfg.hsdp_shard_size)
+        )
     if group is not None:
         if hybrid:
             raise TopologyError(
@@ -113,11 +139,19 @@ def init_process_group(state: PrepState) -> PrepState:
                 "fprep builds it from hsdp_shard_size.",
             )
         ranks = group.ranks or tuple(range(group.size))
-        if len(ranks) != group.size or not 0 <= group.rank < group.size:
+        if (
+            len(ranks) != group.size
+            or len(set(ranks)) != len(ranks)
+            or any(not 0 <= r < world for r in ranks)
+            or not 0 <= group.rank < group.size
+            or ranks[group.rank] != rank
+        ):
             raise TopologyError(
-                f"the process group snapshot is inconsistent: size {group.size}, rank "
-                f"{group.rank}, ranks {ranks}.",
+                f"the process group snapshot is inconsistent with rank {rank} of {world}: "
+                f"size {group.size}, rank {group.rank}, ranks {ranks}.",
                 subject="process_group",
+                hint="Pass this rank's own group: distinct global ranks below the world size, "
+                "with ranks[group rank] == this rank.",
             )
         pre, post = gradient_divide_factors(group.size)
         return state.replace(
@@ -146,4 +180,4 @@ def init_process_group(state: PrepState) -> PrepState:
         spec = MeshSpec(shape=(world // shard, shard), dim_names=HSDP_DIM_NAMES)
     else:
         spec = MeshSpec(shape=(world,), dim_names=DP_DIM_NAMES)
-    return state.replace(process_group=_from_mesh(spec, rank, world, hybrid))
+    return state.replace(process_group=_from_mesh(spec, rank, world, cfg.strategy))

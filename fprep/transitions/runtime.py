@@ -20,6 +20,8 @@ def init_runtime(state: PrepState) -> PrepState:
     pg = need(state.process_group, "init_process_group", "init_runtime")
     ddp = state.config.ddp
     hook: str = ddp.comm_hook
+    if hook != "none" and core.strategy == "none" and state.config.strategy == "ddp":
+        hook = "none"  # world size 1: nothing to communicate (init_core notes it)
     if hook != "none" and core.strategy != "ddp":
         raise ConfigError(
             f"ddp.comm_hook={hook!r} applies to strategy 'ddp'; the strategy is {core.strategy!r}.",
@@ -41,6 +43,7 @@ def init_runtime(state: PrepState) -> PrepState:
             comm_hook=hook,
             ddp_kwargs=kwargs,
             fast_ddp_dtype=state.config.fast_ddp_dtype if fast else None,
-            fast_ddp_scale=1.0 / pg.world_size if fast else None,
+            # averaged over the data-parallel group (which may be a subgroup of the world)
+            fast_ddp_scale=1.0 / (pg.shard_size * pg.replicate_size) if fast else None,
         )
     )

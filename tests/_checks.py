@@ -1,0 +1,156 @@
+"""Shared checks for the transition property tests (purity, failures as values, plan order)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from returns.result import Failure, Result, Success
+
+import fprep
+from fprep import PrepError, PrepState
+from fprep.snapshot import ModuleInfo, ModuleTree, ParamInfo
+from fprep.topology import Topology
+from fprep.transitions import Transition
+
+TRANSITIONS: dict[str, Transition] = {t.__name__: t for t in fprep.DEFAULT_TRANSITIONS}
+#: Each transition writes exactly one sub-state, named after it.
+FIELD: dict[str, str] = {name: name.removeprefix("init_") for name in TRANSITIONS}
+
+#: What each transition reads (the sub-states it must refuse to run without).
+PREREQUISITES: dict[str, frozenset[str]] = {
+    "init_process_group": frozenset(),
+    "init_ignored": frozenset(),
+    "init_device": frozenset({"init_ignored"}),
+    "init_buffers": frozenset(),
+    "init_core": frozenset({"init_process_group", "init_device", "init_ignored"}),
+    "init_runtime": frozenset({"init_core", "init_device", "init_process_group"}),
+    "init_extension": frozenset({"init_process_group"}),
+    "init_state_dict": frozenset({"init_core"}),
+    "init_param_handles": frozenset({"init_core", "init_process_group", "init_ignored"}),
+    "init_prefetching": frozenset({"init_param_handles", "init_core"}),
+}
+
+
+def run_pure(transition: Transition, state: PrepState) -> Result[PrepState, PrepError]:
+    """Run ``transition`` and check it is pure and total on ``state``.
+
+    Equal inputs give equal outputs (an equal deep copy, and a second run on the same object);
+    the input is unchanged (equality, hash and the tree's lookup indexes); the result is a value
+    (``Success`` or ``Failure(PrepError)``, never a raise), and a success changes exactly the
+    transition's own sub-state.
+    """
+    twin = copy.deepcopy(state)
+    assert twin == state and twin is not state
+    before_hash = hash(state)
+    module_index = dict(state.tree._module_index)
+    param_index = dict(state.tree._param_index)
+
+    first = transition(state)
+    second = transition(twin)
+    third = transition(state)
+
+    assert state == twin
+    assert hash(state) == before_hash
+    assert state.tree._module_index == module_index
+    assert state.tree._param_index == param_index
+    assert isinstance(first, Success | Failure)
+    assert first == second == third
+    assert hash(first) == hash(second)
+    if isinstance(first, Success):
+        out = first.unwrap()
+        assert isinstance(out, PrepState)
+        field = FIELD[transition.__name__]
+        assert getattr(out, field) is not None
+        assert out.replace(**{field: getattr(state, field)}) == state, "changed another field"
+    else:
+        error = first.failure()
+        assert isinstance(error, PrepError)
+        assert error.message
+    return first
+
+
+def success(result: Result[PrepState, PrepError]) -> PrepState:
+    assert isinstance(result, Success), f"expected success, got {result!r}"
+    state = result.unwrap()
+    assert isinstance(state, PrepState)
+    return state
+
+
+def failure(
+    result: Result[PrepState, PrepError], kind: type[PrepError], subject: str | Iterable[str]
+) -> PrepError:
+    """The error of a ``Failure`` of type ``kind`` whose subject is ``subject`` (or one of them)."""
+    assert isinstance(result, Failure), f"expected a {kind.__name__}, got {result!r}"
+    error = result.failure()
+    assert isinstance(error, kind), f"expected a {kind.__name__}, got {error!r}"
+    allowed = {subject} if isinstance(subject, str) else set(subject)
+    assert error.subject in allowed, f"subject {error.subject!r} not in {sorted(allowed)}"
+    assert error.message
+    return error
+
+
+def check_plan_order(name: str, complete: PrepState) -> None:
+    """Each missing prerequisite of ``name`` is a ``PlanOrderError`` naming it; none other is."""
+    transition = TRANSITIONS[name]
+    for prerequisite in PREREQUISITES[name]:
+        state = complete.replace(**{FIELD[prerequisite]: None})
+        failure(run_pure(transition, state), fprep.PlanOrderError, prerequisite)
+    # What the transition does not read cannot change what it computes.
+    others = set(TRANSITIONS) - PREREQUISITES[name] - {name}
+    state = complete.replace(**{FIELD[other]: None for other in others})
+    field = FIELD[name]
+    assert getattr(success(transition(state)), field) == getattr(complete, field)
+
+
+def with_rank(topology: Topology, rank: int) -> Topology:
+    """The same job seen from another rank."""
+    return Topology(
+        world_size=topology.world_size,
+        rank=rank,
+        local_world_size=topology.local_world_size,
+        device_type=topology.device_type,
+        backend=topology.backend,
+    )
+
+
+def run_until(name: str, state: PrepState) -> Result[PrepState, PrepError]:
+    """The default transitions before ``name``, applied to ``state``."""
+    names = list(TRANSITIONS)
+    return fprep.chain(*fprep.DEFAULT_TRANSITIONS[: names.index(name)])(state)
+
+
+def replace_modules(tree: ModuleTree, changes: Mapping[str, dict[str, object]]) -> ModuleTree:
+    """``tree`` with some modules' fields replaced (by FQN)."""
+    modules = tuple(
+        dataclasses.replace(m, **changes[m.fqn]) if m.fqn in changes else m for m in tree.modules
+    )
+    return dataclasses.replace(tree, modules=modules)
+
+
+def replace_params(tree: ModuleTree, changes: Mapping[str, dict[str, object]]) -> ModuleTree:
+    """``tree`` with some parameters' fields replaced (by canonical FQN)."""
+    params = tuple(
+        dataclasses.replace(p, **changes[p.fqn]) if p.fqn in changes else p for p in tree.params
+    )
+    return dataclasses.replace(tree, params=params)
+
+
+FSDP2_MARKER = "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule"
+DDP_MARKER = "torch.nn.parallel.distributed.DistributedDataParallel"
+
+
+def sharded(module: ModuleInfo) -> dict[str, object]:
+    """Changes that make ``module`` look already sharded by FSDP2 (class ``FSDP<Cls>``)."""
+    cls = f"torch.distributed.fsdp._fully_shard._fully_shard.FSDP{module.class_name}"
+    return {"cls": cls, "mro": (cls, FSDP2_MARKER, *module.mro)}
+
+
+def replicated(module: ModuleInfo) -> dict[str, object]:
+    """Changes that make ``module`` look wrapped by DDP."""
+    return {"cls": DDP_MARKER, "mro": (DDP_MARKER, *module.mro)}
+
+
+def managed(tree: ModuleTree, ignored: frozenset[str]) -> list[ParamInfo]:
+    return [p for p in tree.params if p.fqn not in ignored]
