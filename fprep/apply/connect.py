@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fprep.apply.steps import Handles, step
+from fprep.devices import device_handle
 from fprep.errors import PrepareError, TopologyError
 from fprep.state import PrepState, need
 
@@ -73,12 +74,12 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
     def connect(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
         core = need(state.core, "init_core", "connect")
         device = _device(state)
-        if device.type == "hpu":
-            from fprep.devices import hpu_setup
-
-            hpu_setup(distributed=core.is_distributed)
+        handle = device_handle(device.type)
+        handle.setup(distributed=core.is_distributed)  # e.g. Gaudi: hpu device, hccl backend
+        if state.config.compile != "none":
+            handle.check_compile()  # before any change to the model
         if not core.is_distributed:
-            return state.replace(handles=Handles(device=device)), model
+            return state.replace(handles=Handles(device=device, device_handle=handle)), model
         try:
             owns = _ensure_default_group(state)
         except (RuntimeError, ValueError) as e:
@@ -93,7 +94,11 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
         return (
             state.replace(
                 handles=Handles(
-                    device=device, mesh=mesh_obj, process_group=group, owns_process_group=owns
+                    device=device,
+                    device_handle=handle,
+                    mesh=mesh_obj,
+                    process_group=group,
+                    owns_process_group=owns,
                 )
             ),
             model,

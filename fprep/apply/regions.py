@@ -47,8 +47,9 @@ def checkpoint(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module
 def _compile_kwargs(state: PrepState) -> dict[str, Any]:
     cfg = state.config
     backend = cfg.compile_backend
-    if backend is None and handles_of(state).device.type == "hpu":
-        backend = "hpu_backend"
+    handle = handles_of(state).device_handle
+    if backend is None and handle is not None:
+        backend = handle.compile_backend  # hpu_backend on Gaudi; torch's default elsewhere
     kwargs: dict[str, Any] = {}
     if backend is not None:
         kwargs["backend"] = backend

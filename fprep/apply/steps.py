@@ -34,6 +34,7 @@ class Handles:
     """
 
     device: torch.device
+    device_handle: Any = None  # fprep.devices.DeviceHandle for device.type
     mesh: Any = None  # torch.distributed.DeviceMesh, None for a single process
     process_group: Any = None  # the data-parallel process group
     owns_process_group: bool = False
