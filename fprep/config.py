@@ -364,6 +364,13 @@ class PrepConfig:
         return out
 
     @classmethod
+    def from_accelerate(cls, source: Any, **overrides: Any) -> PrepConfig:
+        """Read an Accelerate config file (YAML / JSON path, or its dict); see docs/migration.md."""
+        from fprep.migrate import from_accelerate
+
+        return from_accelerate(source, **overrides)
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrepConfig:
         """Inverse of ``to_dict``; unknown keys are a ``ConfigError`` (with a suggestion)."""
         data = dict(data)

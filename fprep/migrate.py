@@ -1,0 +1,160 @@
+"""Read an Accelerate config file (``accelerate config`` / ``default_config.yaml``) into a
+``PrepConfig``. See docs/migration.md for the full field table.
+
+Only fields with a fprep meaning are read; the launcher's own fields (``num_processes``,
+``machine_rank``, ``main_process_ip`` ...) belong to ``torchrun`` and are ignored. A value fprep
+cannot honour is a ``ConfigError`` naming the Accelerate field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fprep.config import PrepConfig
+from fprep.errors import ConfigError
+
+_STRATEGY = {
+    "NO": "none",
+    "MULTI_CPU": "ddp",
+    "MULTI_GPU": "ddp",
+    "MULTI_XPU": "ddp",
+    "MULTI_MLU": "ddp",
+    "MULTI_NPU": "ddp",
+    "MULTI_HPU": "ddp",
+    "FSDP": "fsdp",
+}
+_SHARDING = {  # fsdp_sharding_strategy: name or FSDP1's enum number
+    "FULL_SHARD": ("fsdp", "full"),
+    "1": ("fsdp", "full"),
+    "SHARD_GRAD_OP": ("fsdp", "grad_op"),
+    "2": ("fsdp", "grad_op"),
+    "NO_SHARD": ("ddp", "full"),
+    "3": ("ddp", "full"),
+    "HYBRID_SHARD": ("hsdp", "full"),
+    "4": ("hsdp", "full"),
+    "HYBRID_SHARD_ZERO2": ("hsdp", "grad_op"),
+    "5": ("hsdp", "grad_op"),
+}
+_HOOKS = {"NO": "none", "FP16": "fp16", "BF16": "bf16", "POWER_SGD": "powersgd"}
+
+
+def _load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read the Accelerate config {str(path)!r}: {e.strerror}.", subject=str(path)
+        ) from None
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(
+                "reading a YAML Accelerate config needs PyYAML.",
+                subject=str(path),
+                hint="pip install pyyaml, or pass the config as JSON or a dict.",
+            ) from None
+        data = yaml.safe_load(text)  # safe_load: a config file never runs code
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"the Accelerate config {str(path)!r} is not a mapping.", subject=str(path)
+        )
+    return data
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def from_accelerate(source: str | Path | Mapping[str, Any], **overrides: Any) -> PrepConfig:
+    """A ``PrepConfig`` from an Accelerate config file (YAML or JSON) or its dict."""
+    data = _load(source)
+    fields: dict[str, Any] = {}
+    dist = str(data.get("distributed_type", "NO")).upper()
+    if dist == "DEEPSPEED" or dist == "MEGATRON_LM":
+        raise ConfigError(
+            f"distributed_type {dist} has no fprep equivalent.",
+            subject="distributed_type",
+            hint="Use FSDP (sharded) or MULTI_GPU (replicated) instead.",
+        )
+    if dist not in _STRATEGY:
+        raise ConfigError(
+            f"unknown distributed_type {dist!r}.",
+            subject="distributed_type",
+            hint=f"Known: {', '.join(sorted(_STRATEGY))}.",
+        )
+    fields["strategy"] = "auto" if dist == "MULTI_HPU" else _STRATEGY[dist]
+    precision = str(data.get("mixed_precision", "no")).lower()
+    if precision not in ("no", "fp16", "bf16", "fp8"):
+        raise ConfigError(
+            f"unknown mixed_precision {precision!r}.",
+            subject="mixed_precision",
+            hint="Accelerate's values are no, fp16, bf16 and fp8.",
+        )
+    fields["precision"] = precision
+    if _flag(data.get("use_cpu", False)):
+        fields["device"] = "cpu"
+    dynamo = data.get("dynamo_config") or {}
+    backend = str(dynamo.get("dynamo_backend", "NO")).lower()
+    if backend not in ("no", "none"):
+        fields["compile"] = (
+            "regional" if _flag(dynamo.get("dynamo_use_regional_compilation")) else "whole"
+        )
+        fields["compile_backend"] = backend
+        if dynamo.get("dynamo_mode") not in (None, "default"):
+            fields["compile_mode"] = str(dynamo["dynamo_mode"])
+    if dist == "FSDP":
+        fields.update(_fsdp_fields(data.get("fsdp_config") or {}))
+    fields.update(overrides)
+    return PrepConfig(**fields)
+
+
+def _fsdp_fields(fsdp: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    sharding = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+    if sharding not in _SHARDING:
+        raise ConfigError(
+            f"unknown fsdp_sharding_strategy {sharding!r}.",
+            subject="fsdp_sharding_strategy",
+            hint=f"Known: {', '.join(k for k in _SHARDING if not k.isdigit())}.",
+        )
+    out["strategy"], out["sharding"] = _SHARDING[sharding]
+    if "fsdp_reshard_after_forward" in fsdp:  # FSDP2-style configs state it directly
+        raf = fsdp["fsdp_reshard_after_forward"]
+        if isinstance(raf, str) and raf.upper() in _SHARDING:
+            out["strategy"], out["sharding"] = _SHARDING[raf.upper()]
+        else:
+            out["sharding"] = "full" if _flag(raf) else "grad_op"
+    policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
+    if policy == "TRANSFORMER_BASED_WRAP":
+        classes = str(fsdp.get("fsdp_transformer_layer_cls_to_wrap", "")).split(",")
+        names = tuple(c.strip() for c in classes if c.strip())
+        if not names:
+            raise ConfigError(
+                "fsdp_auto_wrap_policy is TRANSFORMER_BASED_WRAP but "
+                "fsdp_transformer_layer_cls_to_wrap names no class.",
+                subject="fsdp_transformer_layer_cls_to_wrap",
+                hint="List the block classes, e.g. LlamaDecoderLayer.",
+            )
+        out["wrap"] = names
+    elif policy == "SIZE_BASED_WRAP":
+        out["wrap"] = int(fsdp.get("fsdp_min_num_params", 100_000_000))
+    if _flag(fsdp.get("fsdp_offload_params", False)):
+        out["offload"] = "cpu"
+    if "STATE_DICT" in str(fsdp.get("fsdp_state_dict_type", "")).upper():
+        full = str(fsdp["fsdp_state_dict_type"]).upper().startswith("FULL")
+        out["state_dict_type"] = "full" if full else "sharded"
+    prefetch = str(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper()
+    out["backward_prefetch"] = 0 if prefetch in ("NO_PREFETCH", "NONE", "FALSE") else 1
+    out["forward_prefetch"] = 1 if _flag(fsdp.get("fsdp_forward_prefetch", False)) else 0
+    out["sync_module_states"] = _flag(fsdp.get("fsdp_sync_module_states", False))
+    out["activation_checkpointing"] = _flag(fsdp.get("fsdp_activation_checkpointing", False))
+    return out

@@ -1,0 +1,130 @@
+"""PrepConfig.from_accelerate: Accelerate config files (YAML / JSON) to PrepConfig."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fprep import ConfigError, PrepConfig
+
+FSDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer, MistralDecoderLayer
+  fsdp_sharding_strategy: SHARD_GRAD_OP
+  fsdp_offload_params: true
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_backward_prefetch: NO_PREFETCH
+  fsdp_forward_prefetch: true
+  fsdp_sync_module_states: true
+  fsdp_activation_checkpointing: true
+dynamo_config:
+  dynamo_backend: INDUCTOR
+  dynamo_mode: max-autotune
+"""
+
+
+def test_fsdp_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "default_config.yaml"
+    path.write_text(FSDP_YAML)
+    cfg = PrepConfig.from_accelerate(path)
+    assert cfg == PrepConfig(
+        strategy="fsdp",
+        sharding="grad_op",
+        precision="bf16",
+        wrap=("LlamaDecoderLayer", "MistralDecoderLayer"),
+        offload="cpu",
+        state_dict_type="full",
+        backward_prefetch=0,
+        forward_prefetch=1,
+        sync_module_states=True,
+        activation_checkpointing=True,
+        compile="whole",
+        compile_backend="inductor",
+        compile_mode="max-autotune",
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"distributed_type": "NO"}, PrepConfig(strategy="none")),
+        (
+            {"distributed_type": "MULTI_GPU", "mixed_precision": "fp16"},
+            PrepConfig(strategy="ddp", precision="fp16"),
+        ),
+        ({"distributed_type": "MULTI_HPU"}, PrepConfig(strategy="auto")),
+        (
+            {"distributed_type": "MULTI_CPU", "use_cpu": True},
+            PrepConfig(strategy="ddp", device="cpu"),
+        ),
+        (
+            {
+                "distributed_type": "FSDP",
+                "fsdp_config": {
+                    "fsdp_sharding_strategy": 4,
+                    "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                    "fsdp_min_num_params": 1000,
+                },
+            },
+            PrepConfig(strategy="hsdp", wrap=1000),
+        ),
+        (
+            {
+                "distributed_type": "FSDP",
+                "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False},
+            },
+            PrepConfig(strategy="fsdp", sharding="grad_op"),
+        ),
+    ],
+)
+def test_json_and_dicts(tmp_path: Path, data: dict[str, object], expected: PrepConfig) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert PrepConfig.from_accelerate(path) == expected
+    assert PrepConfig.from_accelerate(data) == expected
+
+
+@pytest.mark.parametrize(
+    ("data", "subject"),
+    [
+        ({"distributed_type": "DEEPSPEED"}, "distributed_type"),
+        ({"distributed_type": "TPU_POD"}, "distributed_type"),
+        ({"mixed_precision": "fp4"}, "mixed_precision"),
+        (
+            {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "ZERO3"}},
+            "fsdp_sharding_strategy",
+        ),
+        (
+            {
+                "distributed_type": "FSDP",
+                "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+            },
+            "fsdp_transformer_layer_cls_to_wrap",
+        ),
+    ],
+)
+def test_unsupported_values_name_the_accelerate_field(
+    data: dict[str, object], subject: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig.from_accelerate(data)
+    assert info.value.subject == subject
+
+
+def test_overrides_and_missing_files(tmp_path: Path) -> None:
+    assert PrepConfig.from_accelerate({"distributed_type": "FSDP"}, seed=3).seed == 3
+    with pytest.raises(ConfigError):
+        PrepConfig.from_accelerate(tmp_path / "nope.yaml")
+    bad = tmp_path / "evil.yaml"
+    bad.write_text("!!python/object/apply:os.system ['touch pwned']\n")
+    with pytest.raises(Exception) as info:  # safe_load refuses tags that would run code
+        PrepConfig.from_accelerate(bad)
+    assert not (tmp_path / "pwned").exists() and "python/object" in str(info.value)
