@@ -63,6 +63,16 @@ def rank_indices(n: int, spec: LoaderSpec, epoch: int = 0) -> list[int]:
     return order[spec.rank :: world]
 
 
+def rank_count(n: int, spec: LoaderSpec) -> int:
+    """``len(rank_indices(n, spec, epoch))`` for any epoch, by arithmetic (no permutation)."""
+    world, rank = spec.world, spec.rank
+    if spec.drop_last:
+        return (n // (world * spec.batch_size)) * spec.batch_size
+    if spec.even_batches and n:
+        return -(-n // world)
+    return max(0, -(-(n - rank) // world))
+
+
 def padded_count(n: int, spec: LoaderSpec) -> int:
     """How many samples even batches repeat in an epoch (0 when off or already even)."""
     if spec.drop_last or not spec.even_batches or n == 0 or n % spec.world == 0:
@@ -83,8 +93,8 @@ class ShardedSampler(Sampler[int]):
         indices = rank_indices(self.n, self.spec, self.epoch)
         return iter(indices[self.skip_batches * self.spec.batch_size :])
 
-    def __len__(self) -> int:
-        total = len(rank_indices(self.n, self.spec, 0))
+    def __len__(self) -> int:  # called per len(loader): no O(n) permutation here
+        total = rank_count(self.n, self.spec)
         return max(0, total - self.skip_batches * self.spec.batch_size)
 
 
@@ -125,9 +135,20 @@ class ShardedIterable(IterableDataset[Any]):
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor of a (nested) batch to ``device``, keeping the containers."""
-    if isinstance(batch, torch.Tensor):
+    """Move every tensor of a (nested) batch to ``device``, keeping the containers.
+
+    Runs once per batch, so the common shapes (tensors already in place, plain lists, tuples
+    and dicts) are checked first, before the abstract-base-class checks.
+    """
+    kind = type(batch)
+    if kind is torch.Tensor or isinstance(batch, torch.Tensor):
+        if batch.device == device:  # Tensor.to would return it too, at ~4x the cost
+            return batch
         return batch.to(device, non_blocking=non_blocking)
+    if kind is list or kind is tuple:
+        return kind(to_device(v, device, non_blocking) for v in batch)
+    if kind is dict:
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, Mapping):
         return type(batch)(  # type: ignore[call-arg]
             {k: to_device(v, device, non_blocking) for k, v in batch.items()}
@@ -199,6 +220,33 @@ class PreparedDataLoader(DataLoader[Any]):
         return 0 if self.dataset_len is None else padded_count(self.dataset_len, self.spec)
 
 
+def _shuffles(loader: DataLoader[Any]) -> bool:
+    """Whether the loader shuffles; a sampler fprep cannot reproduce per rank is refused.
+
+    fprep replaces the sampler by its own (each rank its share of a sequential or seeded-shuffled
+    order): any other sampler would be silently dropped, weights and all.
+    """
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    sampler = loader.sampler
+    if isinstance(loader.dataset, IterableDataset) or type(sampler) is SequentialSampler:
+        return False
+    if (
+        type(sampler) is RandomSampler
+        and not sampler.replacement
+        and sampler.num_samples == len(sampler.data_source)  # a permutation of all of it
+    ):
+        return True
+    raise ConfigError(
+        f"data loaders with a {type(sampler).__name__} cannot be sharded by fprep: it reads "
+        "each rank's share of a sequential or shuffled order (shuffle=False / True) and would "
+        "drop this sampler.",
+        subject="data_loader.sampler",
+        hint="Use shuffle=True or False (the seed is PrepConfig.seed), or shard the data "
+        "yourself (e.g. DistributedSampler) and keep that loader out of prepare.",
+    )
+
+
 def prepare_data_loader(
     state: PrepState,
     loader: DataLoader[Any],
@@ -247,9 +295,7 @@ def prepare_data_loader(
                 hint=f"Use a batch size that is a multiple of {world}, or split_batches=False.",
             )
         batch_size //= world
-    from torch.utils.data import RandomSampler
-
-    shuffle = isinstance(loader.sampler, RandomSampler)
+    shuffle = _shuffles(loader)
     if seed is None:
         seed = state.config.seed if state.config.seed is not None else 0
     spec = LoaderSpec(
@@ -301,6 +347,7 @@ __all__ = [
     "epoch_order",
     "padded_count",
     "prepare_data_loader",
+    "rank_count",
     "rank_indices",
     "to_device",
 ]

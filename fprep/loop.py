@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,12 +34,14 @@ def optimizer_step(
     state: PrepState, optimizer: torch.optim.Optimizer, scheduler: Any = None
 ) -> bool:
     """Step the optimizer (through the fp16 grad scaler when there is one), then the scheduler
-    — but only if the optimizer really stepped. Returns whether it did.
+    — but only if the optimizer really stepped. Returns whether it did. On Gaudi in lazy mode
+    the accumulated work is flushed (``mark_step``) after the optimizer step.
 
     An fp16 step whose gradients overflowed is skipped by the scaler (and the scale lowered);
     the scheduler then stays where it is, so the learning-rate curve follows real steps.
     """
-    scaler = handles_of(state).grad_scaler
+    handles = handles_of(state)
+    scaler = handles.grad_scaler
     if scaler is None:
         optimizer.step()
         stepped = True
@@ -49,41 +50,66 @@ def optimizer_step(
         scaler.step(optimizer)
         scaler.update()
         stepped = bool(scaler.get_scale() >= before)  # an overflow always lowers the scale
+    if handles.device_handle is not None:
+        handles.device_handle.step_mark()  # a no-op except on Gaudi in lazy mode
     if stepped and scheduler is not None:
         scheduler.step()
     return stepped
 
 
-@contextlib.contextmanager
-def accumulate(state: PrepState, model: nn.Module, *, sync: bool) -> Iterator[None]:
+class _GradientSyncOff:
+    """FSDP2: reduce-scatter (and hsdp's all-reduce) skipped inside, restored on exit."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_requires_gradient_sync(True)
+
+
+class _DeferredSync:
+    """fast_ddp: ``fprep.backward`` skips its fused all-reduce inside."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        setattr(self.model, DEFER_SYNC_ATTR, True)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.model, DEFER_SYNC_ATTR, False)
+
+
+_SYNC = contextlib.nullcontext()  # stateless, so one instance serves every call
+
+
+def accumulate(
+    state: PrepState, model: nn.Module, *, sync: bool
+) -> contextlib.AbstractContextManager[None]:
     """Run forward and backward of one micro-step; with ``sync=False`` gradients stay local.
 
     DDP uses ``no_sync()``, FSDP2 ``set_requires_gradient_sync(False)``, fast_ddp skips its
     fused all-reduce in ``fprep.backward``; gradients then accumulate until a micro-step with
     ``sync=True`` reduces the sum. Scale each micro-step's loss by ``1 / micro_steps``.
+
+    A plain function returning a context manager (not a generator-based one): the common case,
+    ``sync=True``, costs a shared ``nullcontext`` and no frame.
     """
+    if sync:
+        return _SYNC
     strategy = need(state.core, "init_core", "accumulate").strategy
     wrapped: Any = model  # DDP / FSDPModule methods are looked up dynamically
-    if sync or strategy == "none":
-        yield
-        return
     if strategy == "ddp" and hasattr(model, "no_sync"):
-        with wrapped.no_sync():
-            yield
-    elif strategy in ("fsdp", "hsdp") and hasattr(model, "set_requires_gradient_sync"):
-        wrapped.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            wrapped.set_requires_gradient_sync(True)
-    elif strategy == "fast_ddp":
-        setattr(model, DEFER_SYNC_ATTR, True)
-        try:
-            yield
-        finally:
-            setattr(model, DEFER_SYNC_ATTR, False)
-    else:
-        yield
+        no_sync: contextlib.AbstractContextManager[None] = wrapped.no_sync()
+        return no_sync
+    if strategy in ("fsdp", "hsdp") and hasattr(model, "set_requires_gradient_sync"):
+        return _GradientSyncOff(wrapped)
+    if strategy == "fast_ddp":
+        return _DeferredSync(model)
+    return _SYNC
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

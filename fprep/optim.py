@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fprep.errors import PrepareError
 from fprep.snapshot import clean_fqn
@@ -35,6 +36,19 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, p in _user_module(model).named_parameters(remove_duplicate=False):
         names.setdefault(id(p), clean_fqn(name))
+    return names
+
+
+def canonical_names_weak(model: nn.Module) -> WeakIdKeyDictionary:
+    """``parameter -> canonical FQN``, holding the parameters weakly.
+
+    For names recorded before ``prepare``: the parameters sharding replaces must be freed, and a
+    dict keyed by ``id`` would then match any new tensor that happens to reuse a freed address.
+    """
+    names = WeakIdKeyDictionary()
+    for name, p in _user_module(model).named_parameters(remove_duplicate=False):
+        if p not in names:
+            names[p] = clean_fqn(name)
     return names
 
 

@@ -49,7 +49,7 @@ from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
 from fprep.errors import ConfigError, PrepareError
-from fprep.optim import canonical_names, optimizer_fqns, rebind_optimizer
+from fprep.optim import canonical_names, canonical_names_weak, optimizer_fqns, rebind_optimizer
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
@@ -190,7 +190,7 @@ def prepare(
     run = pipeline(
         *(steps if steps is not None else default_steps(mesh=mesh, process_group=process_group))
     )
-    before = canonical_names(model)
+    before = canonical_names_weak(model)
     state, prepared = run(state, model)
     state = with_handles(state, param_fqns_before=before)
     for i, (opt, fqns) in enumerate(recorded):
@@ -215,12 +215,12 @@ def prepare_optimizer(
     Hyperparameters and state are kept; a parameter that matches neither is a PrepareError.
     """
     current = canonical_names(model)
-    before = handles_of(state).param_fqns_before or {}
+    before = handles_of(state).param_fqns_before  # parameter (held weakly) -> canonical FQN
     fqns: list[tuple[str, ...]] = []
     for g, group in enumerate(optimizer.param_groups):
         names: list[str] = []
         for i, p in enumerate(group["params"]):
-            name = current.get(id(p)) or before.get(id(p))
+            name = current.get(id(p)) or (before.get(p) if before is not None else None)
             if name is None:
                 raise PrepareError(
                     f"optimizer param group {g}, position {i} holds a parameter of shape "
@@ -236,15 +236,22 @@ def prepare_optimizer(
 
 
 def backward(state: PrepState, model: nn.Module, loss: Any) -> None:
-    """``loss.backward()`` with the plan's extras: fp16 loss scaling, fast_ddp's all-reduce."""
+    """``loss.backward()`` with the plan's extras: fp16 loss scaling, fast_ddp's all-reduce,
+    and Gaudi's step mark in lazy mode."""
     handles = handles_of(state)
     if handles.grad_scaler is not None:
         handles.grad_scaler.scale(loss).backward()
     else:
         loss.backward()
     runtime = state.runtime
-    deferred = getattr(model, DEFER_SYNC_ATTR, False)  # inside fprep.accumulate(sync=False)
-    if runtime is not None and runtime.fast_ddp_dtype is not None and not deferred:
+    # (the plan is checked first: a missing attribute costs a microsecond on an nn.Module)
+    if (
+        runtime is not None
+        and runtime.fast_ddp_dtype is not None
+        and not getattr(model, DEFER_SYNC_ATTR, False)  # inside fprep.accumulate(sync=False)
+    ):
         from fprep.apply.fast_ddp import all_reduce_gradients
 
         all_reduce_gradients(state, model)
+    if handles.device_handle is not None:
+        handles.device_handle.step_mark()  # a no-op except on Gaudi in lazy mode

@@ -152,7 +152,8 @@ class ModuleInfo:
     param_names: tuple[str, ...] = ()  # local names of directly registered parameters
     buffer_names: tuple[str, ...] = ()  # local names of directly registered buffers
     has_reset_parameters: bool = True
-    #: Whether the class defines a forward (``None``: judge by class name, for hand-built trees)
+    #: False for a ModuleList / ModuleDict (or subclass) that defines no forward — what
+    #: ``fully_shard`` refuses; ``None``: judge by class name (hand-built trees)
     has_forward: bool | None = None
 
     @property
@@ -269,7 +270,11 @@ class ModuleTree:
                 known = (
                     tuple(f"{k.__module__}.{k.__qualname__}" for k in kind.__mro__),
                     callable(getattr(kind, "reset_parameters", None)),
-                    getattr(kind, "forward", None) is not _UNIMPLEMENTED_FORWARD,
+                    # fully_shard's rule: ModuleList / ModuleDict without a forward of their own
+                    not (
+                        issubclass(kind, nn.ModuleList | nn.ModuleDict)
+                        and getattr(kind, "forward", None) is _UNIMPLEMENTED_FORWARD
+                    ),
                 )
                 class_cache[kind] = known
             mro, has_reset, has_forward = known

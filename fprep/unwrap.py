@@ -4,7 +4,10 @@
 * FSDP2: ``fully_shard`` swaps each unit's class for a generated ``FSDP<Class>`` and replaces
   parameters with shards. ``unwrap`` returns a *new* module tree of the original classes whose
   parameters are the full (gathered) tensors, with FSDP's hooks and bookkeeping removed; tied
-  parameters stay tied. Gathering is a collective: call it on every rank.
+  parameters stay tied. Gathering is a collective: call it on every rank; the copy itself runs
+  no collective, so evaluating it on one rank is fine. Modules compiled in place
+  (``compile="regional"`` / ``"whole"``) come back uncompiled (their compiled code belongs to
+  the prepared module); a ``torch.compile``-d ``OptimizedModule`` stays one, over the copy.
 * Otherwise the model is returned as it is.
 
 fprep's autocast hooks are kept by default (``keep_autocast=True``), so evaluation computes in
@@ -48,56 +51,113 @@ def _original_class(module: nn.Module) -> type[nn.Module]:
     return kind
 
 
-def _is_fprep_or_fsdp_hook(hook: Any, keep_autocast: bool) -> bool:
-    if isinstance(hook, AutocastEnter | AutocastExit):
-        return not keep_autocast
-    owner = getattr(hook, "__module__", "") or ""
-    func = getattr(hook, "__func__", None) or getattr(hook, "func", None)
-    owner = owner or getattr(func, "__module__", "") or ""
-    return owner.startswith("torch.distributed")
+#: Where FSDP2's hooks and those of the composable APIs (whose per-module state the copy does not
+#: keep) are defined. Other hooks, torch's included (e.g. ``checkpoint_wrapper``'s state-dict
+#: hooks, which strip its prefix from the keys), are the model's own and stay.
+_DROPPED_HOOK_OWNERS = ("torch.distributed.fsdp", "torch.distributed._composable")
+#: ``__dict__`` entries that are preparation bookkeeping, not the user's.
+_DROPPED_ATTRS = frozenset({PREPARED_ATTR, "_fprep_compiled", "_is_fsdp_managed_module"})
+_DROPPED_PREFIXES = ("_fsdp", "__composable_api_state_key")  # FSDP, fully_shard / checkpoint state
 
 
-def _plain_copy(module: nn.Module, full: dict[int, nn.Parameter], keep_autocast: bool) -> nn.Module:
+def _hook_owner(hook: Any) -> str:
+    inner = getattr(hook, "hook", hook)  # nn.Module's _WrappedHook
+    func = getattr(inner, "__func__", None) or getattr(inner, "func", None)
+    owner = getattr(inner, "__module__", "") or getattr(func, "__module__", "") or ""
+    return str(owner)
+
+
+def _copy_hooks(
+    hooks: Any, original: nn.Module, copy: nn.Module, keep_autocast: bool, autocast: dict[int, Any]
+) -> collections.OrderedDict[int, Any]:
+    kept: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    for key, hook in hooks.items():
+        if isinstance(hook, AutocastEnter):
+            if keep_autocast:  # a fresh region stack: the copy never shares the original's
+                kept[key] = autocast.setdefault(
+                    id(hook), AutocastEnter(hook.device_type, hook.dtype)
+                )
+        elif isinstance(hook, AutocastExit):
+            if keep_autocast:
+                enter = autocast.setdefault(
+                    id(hook.enter), AutocastEnter(hook.enter.device_type, hook.enter.dtype)
+                )
+                kept[key] = AutocastExit(enter)
+        elif _hook_owner(hook).startswith(_DROPPED_HOOK_OWNERS):
+            continue
+        elif getattr(hook, "with_module", False) and getattr(hook, "module", lambda: None)() is (
+            original
+        ):
+            kept[key] = type(hook)(hook.hook, copy)  # a _WrappedHook bound to the copy
+        else:
+            kept[key] = hook
+    return kept
+
+
+def _plain_copy(
+    module: nn.Module,
+    full: dict[int, nn.Parameter],
+    keep_autocast: bool,
+    memo: dict[int, nn.Module],
+    autocast: dict[int, Any],
+) -> nn.Module:
+    if id(module) in memo:  # a submodule registered twice stays one module
+        return memo[id(module)]
     cls = _original_class(module)
     copy = cls.__new__(cls)
+    memo[id(module)] = copy
     attrs = {
         k: v
         for k, v in module.__dict__.items()
-        if not k.startswith("_fsdp") and k not in ("__composable_api_registry", PREPARED_ATTR)
+        if k not in _DROPPED_ATTRS and not k.startswith(_DROPPED_PREFIXES)
     }
-    copy.__dict__.update(attrs)
-    copy._parameters = {
+    attrs["_parameters"] = {
         name: (full[id(p)] if p is not None else None) for name, p in module._parameters.items()
     }
-    copy._buffers = dict(module._buffers)
-    copy._modules = {
-        name: (_plain_copy(child, full, keep_autocast) if child is not None else None)
+    attrs["_buffers"] = dict(module._buffers)
+    attrs["_modules"] = {
+        name: (
+            _plain_copy(child, full, keep_autocast, memo, autocast) if child is not None else None
+        )
         for name, child in module._modules.items()
     }
+    if attrs.get("_compiled_call_impl") is not None:
+        # ``Module.compile`` compiled the *original* module's ``_call_impl``: calling it would
+        # run the prepared module (FSDP hooks, collectives). The copy runs eagerly.
+        attrs["_compiled_call_impl"] = None
     for name in _HOOK_DICTS:
         hooks = getattr(module, name, None)
         if isinstance(hooks, dict):
-            kept = [
-                (k, h) for k, h in hooks.items() if not _is_fprep_or_fsdp_hook(h, keep_autocast)
-            ]
-            setattr(copy, name, collections.OrderedDict(kept))
+            attrs[name] = _copy_hooks(hooks, module, copy, keep_autocast, autocast)
     # ids of forward hooks that run even when forward raises: keep those still registered
     always = getattr(module, "_forward_hooks_always_called", {})
-    copy._forward_hooks_always_called = collections.OrderedDict(
-        (k, v) for k, v in always.items() if k in copy._forward_hooks
+    forward_hooks = attrs.get("_forward_hooks", {})
+    attrs["_forward_hooks_always_called"] = collections.OrderedDict(
+        (k, v) for k, v in always.items() if k in forward_hooks
     )
+    # Straight into __dict__: a class may redirect attribute writes (torch.compile's
+    # OptimizedModule forwards them to the module it wraps, which is the original here).
+    copy.__dict__.update(attrs)
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(copy, OptimizedModule):
+        copy._initialize()  # its forward was bound to the original module: bind it to the copy
     return copy
 
 
 def unwrap(state: PrepState, model: nn.Module, *, keep_autocast: bool = True) -> nn.Module:
     """The model with its original class and FQNs (see the module docs)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     assert isinstance(inner, nn.Module)
-    params = dict(inner.named_parameters(remove_duplicate=False))
-    if not any(hasattr(p, "full_tensor") for p in params.values()) and keep_autocast:
+    # Decided by FSDP itself, not by DTensor parameters: between a forward that keeps them
+    # unsharded (sharding="grad_op") and the next backward they are plain tensors.
+    sharded = any(isinstance(m, FSDPModule) for m in inner.modules())
+    if not sharded and keep_autocast:
         return inner
+    params = dict(inner.named_parameters(remove_duplicate=False))
     full: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for p in params.values():
@@ -105,4 +165,4 @@ def unwrap(state: PrepState, model: nn.Module, *, keep_autocast: bool = True) ->
                 continue
             data = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             full[id(p)] = nn.Parameter(data.clone(), requires_grad=p.requires_grad)
-    return _plain_copy(inner, full, keep_autocast)
+    return _plain_copy(inner, full, keep_autocast, {}, {})

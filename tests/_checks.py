@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+from hypothesis import assume
 from returns.result import Failure, Result, Success
 
 import fprep
@@ -72,6 +73,11 @@ def run_pure(transition: Transition, state: PrepState) -> Result[PrepState, Prep
 
 
 def success(result: Result[PrepState, PrepError]) -> PrepState:
+    """The planned state. Generated wrap policies (classes, predicates) can put a tied
+    parameter's modules in separate sibling units; fprep refuses that plan (FSDP2 would break
+    the tie; see test_tied_across_sibling_units_is_refused), so such inputs are discarded."""
+    if isinstance(result, Failure) and "is tied across units" in str(result.failure()):
+        assume(False)
     assert isinstance(result, Success), f"expected success, got {result!r}"
     state = result.unwrap()
     assert isinstance(state, PrepState)

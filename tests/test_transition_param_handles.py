@@ -90,7 +90,17 @@ def _size_units(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set
         if fqn in ignored.modules:
             return 0
         total = owned.get(fqn, 0) + sum(unwrapped(c) for c in module.children)
-        if fqn and total >= min_params and module.cls not in NO_FORWARD_CONTAINERS:
+        splits_a_tie = any(
+            0 < sum(is_within(o, fqn) for o in p.owners) < len(p.owners)
+            for p in tree.params
+            if p.fqn not in ignored.params
+        )
+        if (
+            fqn
+            and total >= min_params
+            and module.cls not in NO_FORWARD_CONTAINERS
+            and not splits_a_tie
+        ):
             units.add(fqn)
             return 0
         return total
@@ -377,12 +387,35 @@ def test_wrap_policy_selecting_a_container(state: PrepState) -> None:
             error = failure(result, ConfigError, "wrap")
             assert repr(containers[0]) in error.message
         else:
-            check_units(bad, success(result).param_handles)  # type: ignore[arg-type]
+            check_units(bad, handles_of(bad))
 
 
 @given(fst.prep_states(inputs=fst.plan_inputs(trees=SMALL)))
 def test_plan_order(complete: PrepState) -> None:
     check_plan_order("init_param_handles", complete)
+
+
+def test_size_policy_never_splits_a_tie() -> None:
+    """wrap=<size> would make both tied modules units; it wraps their parent instead."""
+    from fprep.snapshot import ParamInfo
+
+    leaf = ("torch.nn.modules.linear.Linear", "torch.nn.modules.module.Module")
+    tree = ModuleTree(
+        modules=(
+            ModuleInfo(fqn="", cls="x.Net", children=("p",)),
+            ModuleInfo(fqn="p", cls="x.Pair", children=("p.a", "p.b")),
+            ModuleInfo(fqn="p.a", cls=leaf[0], mro=leaf, param_names=("w", "u")),
+            ModuleInfo(fqn="p.b", cls=leaf[0], mro=leaf, param_names=("w", "v")),
+        ),
+        params=(
+            ParamInfo(names=("p.a.w", "p.b.w"), shape=(4, 4)),
+            ParamInfo(names=("p.a.u",), shape=(8,)),
+            ParamInfo(names=("p.b.v",), shape=(8,)),
+        ),
+    )
+    state = fprep.plan(tree, PrepConfig(strategy="fsdp", wrap=1), Topology(world_size=2)).unwrap()
+    assert state.param_handles is not None
+    assert [u.fqn for u in state.param_handles.units] == ["p", ""]
 
 
 def test_tied_across_sibling_units_is_refused() -> None:

@@ -4,6 +4,10 @@ For tests: every rank is a fresh spawned process with the torchrun variables set
 ``fprep.prepare`` finds its launcher exactly as under ``torchrun``. A rank that raises makes the
 whole call raise with that rank's traceback; a rank that does not finish in time kills the rest
 (never a hang).
+
+Ranks are daemon processes by default, which Python forbids to start children; pass
+``daemon=False`` for rank functions that need their own processes (``DataLoader`` workers). Such
+ranks are still killed when the call fails or times out, exactly like daemon ones.
 """
 
 from __future__ import annotations
@@ -62,19 +66,25 @@ def _worker(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    daemon: bool = True,
 ) -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``; ``fn`` must be picklable.
 
     Raises ``RankError`` as soon as a rank raises, or exits without a result (a crash, a
     result that cannot be pickled), and ``TimeoutError`` when ``timeout_s`` passes first. The
     other ranks are then killed after a short grace period instead of being waited for.
+    ``daemon=False`` lets ranks start processes of their own (``DataLoader`` workers); they
+    are killed on failure all the same (and on ``KeyboardInterrupt``).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:

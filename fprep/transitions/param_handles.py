@@ -45,6 +45,22 @@ def _owned_numel(tree: ModuleTree, ignored: IgnoredState) -> dict[str, int]:
     return owned
 
 
+def _tie_splitting_modules(tree: ModuleTree, ignored: IgnoredState) -> set[str]:
+    """Modules holding some but not all modules of a tied parameter: wrapping one would split
+    the tie across units, which FSDP2 silently breaks, so the size policy never does."""
+    splitting: set[str] = set()
+    for p in tree.params:
+        owners = p.owners
+        if len(owners) < 2 or p.fqn in ignored.params:
+            continue
+        for owner in owners:
+            module = owner
+            while module and not all(is_within(o, module) for o in owners):
+                splitting.add(module)
+                module = parent_fqn(module)
+    return splitting
+
+
 def _common_ancestor(fqns: tuple[str, ...]) -> str:
     common = fqns[0]
     for fqn in fqns[1:]:
@@ -56,9 +72,11 @@ def _common_ancestor(fqns: tuple[str, ...]) -> str:
 def _by_size(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set[str]:
     """FSDP's size policy: wrap a module once what is not yet wrapped below it reaches the size.
 
-    ``ModuleList`` / ``ModuleDict`` are never wrapped: their count carries on to their parent.
+    ``ModuleList`` / ``ModuleDict`` without a forward are never wrapped, nor is a module that
+    would split a tied parameter from its other modules: their count carries on to the parent.
     """
     owned = _owned_numel(tree, ignored)
+    splitting = _tie_splitting_modules(tree, ignored)
     remaining: dict[str, int] = {}
     units: set[str] = set()
     for m in reversed(tree.modules):  # children before parents
@@ -66,7 +84,7 @@ def _by_size(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set[st
             remaining[m.fqn] = 0
             continue
         total = owned.get(m.fqn, 0) + sum(remaining.get(c, 0) for c in m.children)
-        if m.fqn and total >= min_params and m.can_run_forward:
+        if m.fqn and total >= min_params and m.can_run_forward and m.fqn not in splitting:
             units.add(m.fqn)
             total = 0
         remaining[m.fqn] = total
