@@ -383,11 +383,6 @@ def test_ddp_over_a_subgroup_averages_within_it(four: list[dict[str, Any]]) -> N
         assert rank["subgroups"]["ddp"]["max_grad_diff"] <= 1e-6
 
 
-@pytest.mark.xfail(
-    reason="init_runtime plans fast_ddp_scale = 1 / world size (4), not 1 / the size of the "
-    "data-parallel group (2), so gradients come out halved (fprep/transitions/runtime.py)",
-    strict=False,
-)
 def test_fast_ddp_over_a_subgroup_averages_within_it(four: list[dict[str, Any]]) -> None:
     for rank in four:
         assert rank["subgroups"]["fast_ddp"]["max_grad_diff"] <= 1e-6
