@@ -1,4 +1,4 @@
-"""The ``fprep`` command line: ``fprep plan`` and ``fprep env``.
+"""The ``fprep`` command line: ``fprep plan``, ``fprep env`` and ``fprep demo``.
 
 Errors are printed as one clear line (the ``PrepError`` message and hint) with exit status 2,
 never as a traceback.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from returns.result import Failure
 
+from fprep import demo
 from fprep.config import PrepConfig
 from fprep.errors import ConfigError, PrepError
 from fprep.memory import estimate_memory
@@ -181,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="torch version, devices, backends, launcher variables")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_env)
+
+    d = sub.add_parser(
+        "demo", help="prepare and train a small GPT on synthetic data (CPU; --nproc N ranks)"
+    )
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.run_from_args)
     return parser
 
 

@@ -127,7 +127,9 @@ def check_units(state: PrepState, handles: ParamHandleState) -> None:
     for unit in handles.units[:-1]:
         assert not any(is_within(unit.fqn, m) for m in ignored.modules), "unit in ignored module"
     for unit in handles.units:
-        assert unit.reshard_after_forward == core.reshard_after_forward
+        keeps_root = unit.fqn == "" and cfg.reshard_after_forward is None and len(fqns) > 1
+        # the root stays gathered after forward (FSDP2's default) unless the user set it
+        assert unit.reshard_after_forward == (False if keeps_root else core.reshard_after_forward)
         assert unit.cls == (tree.module(unit.fqn) or tree.root).cls
         assert unit.numel == sum(math.prod(s.shape) for s in unit.params)
 

@@ -251,12 +251,20 @@ def init_param_handles(state: PrepState) -> PrepState:
             kept.append(_spec(p, None))
         else:
             members[_assign(p, units, core.is_sharded)].append(_spec(p, shard))
+    # The root's parameters are needed again at the very start of backward: unless the user
+    # set reshard_after_forward, keep them gathered (FSDP2's own default for the root), which
+    # saves one all-gather of the root per step (embeddings and output head, typically).
+    root_raf = (
+        False
+        if state.config.reshard_after_forward is None and len(unit_fqns) > 1
+        else core.reshard_after_forward
+    )
     ordered = tuple(
         WrapUnit(
             fqn=fqn,
             cls=(tree.module(fqn) or tree.root).cls,
             params=tuple(members[fqn]),
-            reshard_after_forward=core.reshard_after_forward,
+            reshard_after_forward=root_raf if fqn == "" else core.reshard_after_forward,
         )
         for fqn in reversed(unit_fqns)  # inner units first, the root last
     )
