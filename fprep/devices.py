@@ -35,8 +35,13 @@ def _import(name: str, why: str) -> Any:
         raise PrepareError(
             f"{why} needs {name}, which is not importable: {e}",
             subject=name,
-            hint="On Gaudi, install Intel's Gaudi software stack (or use its container); it "
-            "provides habana_frameworks for its own torch build.",
+            hint=(
+                "On Gaudi, install Intel's Gaudi software stack (or use its container); it "
+                "provides habana_frameworks for its own torch build."
+                if name.startswith("habana_frameworks")
+                else f"Install the package that provides {name} (pip install torchao for "
+                "fp8 on CUDA)."
+            ),
         ) from None
 
 

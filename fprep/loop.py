@@ -27,6 +27,7 @@ from torch import nn
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.steps import handles_of
 from fprep.data import PreparedDataLoader
+from fprep.errors import PrepareError
 from fprep.state import PrepState, need
 
 
@@ -133,7 +134,11 @@ def clip_grad_norm(
     scaler = handles_of(state).grad_scaler
     if scaler is not None:
         if optimizer is None:
-            raise TypeError("clip_grad_norm needs optimizer=... with fp16 (to unscale first)")
+            raise PrepareError(
+                "clip_grad_norm needs the optimizer under fp16, to unscale gradients first.",
+                subject="optimizer",
+                hint="Call fprep.clip_grad_norm(state, model, max_norm, optimizer=opt).",
+            )
         scaler.unscale_(optimizer)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sharded: list[Any] = [g for g in grads if _is_dtensor(g)]

@@ -190,11 +190,8 @@ def prepare(
     run = pipeline(
         *(steps if steps is not None else default_steps(mesh=mesh, process_group=process_group))
     )
-    before = canonical_names_weak(model)
-    state, prepared = run(state, model)
-    state = with_handles(state, param_fqns_before=before)
-    for i, (opt, fqns) in enumerate(recorded):
-        rebind_optimizer(prepared, opt, fqns, i)
+    # Data loaders need only the plan: prepare them now, so that a refused loader fails before
+    # any effect on the model.
     flags = list(device_placement[1:]) if device_placement is not None else [None] * len(objects)
     out = [
         prepare_data_loader(state, obj, device_placement=flag)
@@ -202,6 +199,11 @@ def prepare(
         else obj
         for obj, flag in zip(objects, flags, strict=True)
     ]
+    before = canonical_names_weak(model)
+    state, prepared = run(state, model)
+    state = with_handles(state, param_fqns_before=before)
+    for i, (opt, fqns) in enumerate(recorded):
+        rebind_optimizer(prepared, opt, fqns, i)
     return (state, prepared, *out)
 
 

@@ -362,7 +362,7 @@ def test_clip_grad_norm_under_fp16_unscales_through_the_optimizer() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch()
     fprep.backward(state, model, lm_loss(model(x), y))
-    with pytest.raises(TypeError, match="optimizer="):
+    with pytest.raises(fprep.PrepareError, match="optimizer="):
         fprep.clip_grad_norm(state, model, 1.0)
     norm = fprep.clip_grad_norm(state, model, 1.0, optimizer=opt)
     reference = tiny_gpt(seed=SEED)

@@ -49,7 +49,8 @@ def handles_of(state: PrepState) -> Handles:
         raise PlanOrderError(
             "this step needs the connect step to have run first.",
             subject="connect",
-            hint="Start custom pipelines with fprep.steps.connect.",
+            hint="Run the connect step first: start custom pipelines with "
+            "fprep.default_steps()[0], and use helpers only on what prepare returned.",
         )
     return handles
 

@@ -60,8 +60,8 @@ def _check_not_prepared(state: PrepState, ignored: IgnoredState) -> None:
         raise PrepareError(
             "the model is already prepared (or already wrapped by FSDP/DDP).",
             subject="model",
-            hint="Prepare the original model once; to change the plan, start from an "
-            "unprepared model (fprep.unwrap gives it back).",
+            hint="Prepare a model once; to change the plan, build the model again (or, for a "
+            "sharded model, prepare the full-weight copy fprep.unwrap returns).",
         )
     for m in state.tree.modules[1:]:
         if m.is_sharded and m.fqn not in ignored.modules:
@@ -131,7 +131,7 @@ def _no_effect_notes(state: PrepState, strategy: str, sharded: bool) -> tuple[st
         notes.append(f"hsdp_shard_size has no effect with strategy {strategy!r}.")
     if cfg.compile == "none" and (cfg.compile_backend or cfg.compile_mode):
         notes.append("compile_backend / compile_mode have no effect with compile='none'.")
-    if cfg.ddp.comm_hook != "none" and strategy == "none" and cfg.strategy == "ddp":
+    if cfg.ddp.comm_hook != "none" and strategy == "none" and cfg.strategy in ("ddp", "auto"):
         notes.append("ddp.comm_hook has no effect: with one process nothing is communicated.")
     return tuple(notes)
 

@@ -20,7 +20,7 @@ def init_runtime(state: PrepState) -> PrepState:
     pg = need(state.process_group, "init_process_group", "init_runtime")
     ddp = state.config.ddp
     hook: str = ddp.comm_hook
-    if hook != "none" and core.strategy == "none" and state.config.strategy == "ddp":
+    if hook != "none" and core.strategy == "none" and state.config.strategy in ("ddp", "auto"):
         hook = "none"  # world size 1: nothing to communicate (init_core notes it)
     if hook != "none" and core.strategy != "ddp":
         raise ConfigError(
