@@ -22,6 +22,7 @@ from torch import nn
 
 from fprep.apply.steps import handles_of, step
 from fprep.errors import PrepareError
+from fprep.progress import Progress
 from fprep.state import PrepState, ShardSpec, need
 
 
@@ -127,20 +128,38 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         for _, module in modules:
             module.to_empty(device=storage, recurse=False)
         _retie(model, specs)
-        for fqn, module in modules:
-            try:
-                if cfg.reproducible_init:
-                    _init_reproducibly(fqn, module, init, device, seed, specs, pg.shard_rank)
-                else:
-                    init(module)
-            except PrepareError:
-                raise
-            except Exception as e:
-                raise PrepareError(
-                    f"initializing module {fqn or '<root>'!r} ({type(module).__name__}) from the "
-                    f"meta device failed: {type(e).__name__}: {e}",
-                    subject=fqn,
-                    hint="Check its reset_parameters() (or your param_init_fn): it must "
-                    "initialize the module's own parameters and buffers in place.",
-                ) from e
+        progress = Progress(
+            "fprep: materialize", len(modules), enabled=None if state.topology.rank == 0 else False
+        )
+        with progress:
+            for fqn, module in modules:
+                _materialize_one(state, fqn, module, init, device, seed, specs, pg.shard_rank)
+                progress.advance()
     return state, model
+
+
+def _materialize_one(
+    state: PrepState,
+    fqn: str,
+    module: nn.Module,
+    init: Callable[[nn.Module], None],
+    device: torch.device,
+    seed: int,
+    specs: dict[str, ShardSpec],
+    shard_rank: int,
+) -> None:
+    try:
+        if state.config.reproducible_init:
+            _init_reproducibly(fqn, module, init, device, seed, specs, shard_rank)
+        else:
+            init(module)
+    except PrepareError:
+        raise
+    except Exception as e:
+        raise PrepareError(
+            f"initializing module {fqn or '<root>'!r} ({type(module).__name__}) from the "
+            f"meta device failed: {type(e).__name__}: {e}",
+            subject=fqn,
+            hint="Check its reset_parameters() (or your param_init_fn): it must "
+            "initialize the module's own parameters and buffers in place.",
+        ) from e
