@@ -5,9 +5,11 @@ and the config (``fprep.plan``); effectful steps then apply it with PyTorch's ow
 """
 
 from fprep.apply import Handles, Step, all_reduce_gradients, pipeline, step
+from fprep.checkpoint import export_full, load, save
 from fprep.config import DDPOptions, PrepConfig
 from fprep.data import PreparedDataLoader, prepare_data_loader
 from fprep.errors import (
+    CheckpointError,
     ConfigError,
     DeviceError,
     IgnoredStateError,
@@ -51,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_TRANSITIONS",
     "BufferInfo",
+    "CheckpointError",
     "ConfigError",
     "DDPOptions",
     "DeviceError",
@@ -82,6 +85,7 @@ __all__ = [
     "clip_grad_norm",
     "default_steps",
     "estimate_memory",
+    "export_full",
     "gather_for_metrics",
     "init_buffers",
     "init_core",
@@ -94,12 +98,14 @@ __all__ = [
     "init_runtime",
     "init_state_dict",
     "initial_state",
+    "load",
     "optimizer_step",
     "pipeline",
     "plan",
     "prepare",
     "prepare_data_loader",
     "prepare_optimizer",
+    "save",
     "step",
     "transition",
     "unwrap",

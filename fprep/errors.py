@@ -71,3 +71,11 @@ class PlanOrderError(PrepError, RuntimeError):
 
 class PrepareError(PrepError, RuntimeError):
     """Applying a valid plan failed, or the model was already prepared."""
+
+
+class CheckpointError(PrepError, RuntimeError):
+    """A checkpoint cannot be written, or cannot be read safely into this model.
+
+    Raised for missing, truncated, tampered or crafted files, for checkpoints that do not fit
+    the model (keys, shapes, dtypes), and for values ``fprep.save`` cannot store as plain data.
+    """

@@ -1,0 +1,113 @@
+"""Checkpoints: sharded or full, resharded on load, published atomically, read without pickle.
+
+* ``save`` / ``load``: model and optimizer state through ``torch.distributed.checkpoint`` (each
+  rank writes its shards; loading reads each rank's part of any layout, so a checkpoint moves
+  between world sizes and strategies), plus scheduler state, data-loader position, per-rank RNG
+  states, the step and JSON extras in a JSON manifest.
+* ``export_full``: one safetensors file with the full model, streamed one tensor at a time.
+
+Modules, one job each: ``writing`` (save), ``reading`` (load), ``export``, ``layout``
+(directories, ``latest``, publishing, rotation), ``storage`` (DCP writer and reader: raw bytes,
+sha256), ``metadata`` (DCP metadata as JSON), ``manifest``, ``encoding`` (nested state as JSON),
+``states`` (flat tensor dicts), ``validate``, ``rng``, ``collective``, ``files``, ``info``.
+See docs/checkpoints.md.
+
+The functions here import their implementations (and ``torch.distributed.checkpoint``, which
+takes over half a second) on first use, so ``import fprep`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fprep.checkpoint.info import LoadedInfo
+from fprep.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fprep.state import PrepState
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save model, optimizers, scheduler, loader position, RNG states, step and extras.
+
+    Call it on every rank. Returns the published step directory (``path/step-<step>``). Raises
+    ``CheckpointError`` (on every rank) when anything cannot be saved; the previous checkpoints
+    are untouched. See docs/checkpoints.md.
+    """
+    from fprep.checkpoint.writing import save as _save
+
+    return _save(
+        path,
+        state,
+        model,
+        optimizers=optimizers,
+        scheduler=scheduler,
+        loader=loader,
+        step=step,
+        extras=extras,
+        keep_last=keep_last,
+    )
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    strict: bool = True,
+    verify_hashes: bool = True,
+) -> LoadedInfo:
+    """Load a checkpoint saved by ``fprep.save`` (any world size, strategy or state-dict type).
+
+    ``path`` is the root given to ``save`` (its ``latest`` checkpoint is read) or one step
+    directory. Call it on every rank. Raises ``CheckpointError`` (on every rank) for anything
+    that cannot be loaded safely and exactly; the model and optimizers are then unchanged.
+    ``verify_hashes=False`` skips the sha256 of the tensor files (for storage you trust);
+    sizes, structure and metadata are still checked, and nothing is ever unpickled.
+    """
+    from fprep.checkpoint.reading import load as _load
+
+    return _load(
+        path,
+        state,
+        model,
+        optimizers=optimizers,
+        scheduler=scheduler,
+        loader=loader,
+        strict=strict,
+        verify_hashes=verify_hashes,
+    )
+
+
+def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path:
+    """Write the full model to one safetensors file at ``path``; call it on every rank.
+
+    Original FQNs, buffers in their original dtype, readable by plain ``safetensors``. Rank 0
+    writes, one tensor at a time (memory bounded by one tensor beyond the shards).
+    """
+    from fprep.checkpoint.export import export_full as _export_full
+
+    return _export_full(path, state, model)
+
+
+__all__ = ["CheckpointError", "LoadedInfo", "export_full", "load", "save"]

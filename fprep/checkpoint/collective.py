@@ -1,0 +1,103 @@
+"""The few collectives a checkpoint needs, and agreement on failures.
+
+A rank that fails while others go on would leave them waiting in the next collective, so every
+phase that can fail on one rank ends in ``agree``: all ranks learn whether any failed and raise
+the same error. Objects exchanged here come from live processes of the job (never from files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from fprep.errors import CheckpointError, PrepError
+from fprep.state import PrepState
+
+
+@dataclass(frozen=True)
+class Group:
+    """Who takes part: the default process group when the plan is distributed, else nobody."""
+
+    distributed: bool
+    rank: int
+    world_size: int
+
+    @classmethod
+    def of(cls, state: PrepState) -> Group:
+        core = state.core
+        if (
+            core is not None
+            and core.is_distributed
+            and dist.is_available()
+            and dist.is_initialized()
+        ):
+            return cls(True, dist.get_rank(), dist.get_world_size())
+        return cls(False, 0, 1)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @contextlib.contextmanager
+    def dcp_call(self) -> Iterator[None]:
+        """Silence DCP's warning that a single process saves or loads alone (it is intended)."""
+        with warnings.catch_warnings():
+            if not self.distributed:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def agree(self, error: BaseException | None, payload: Any = None) -> list[Any]:
+        """Exchange (error, payload); raise on every rank when any rank failed."""
+        portable = None if error is None else _portable(error)
+        results = self.all_gather((portable, payload))
+        failed = [(r, e) for r, (e, _) in enumerate(results) if e is not None]
+        if failed:
+            if error is not None:
+                raise error
+            rank, first = failed[0]
+            if isinstance(first, PrepError):
+                raise first
+            raise CheckpointError(f"rank {rank} failed: {first}", subject=f"rank {rank}")
+        return [p for _, p in results]
+
+
+def _portable(error: BaseException) -> Any:
+    """The error itself when it pickles (PrepErrors do), else its text."""
+    if isinstance(error, PrepError):
+        return error
+    return f"{type(error).__name__}: {error}"
+
+
+def unwrap_dcp_error(error: BaseException) -> BaseException:
+    """The first ``PrepError`` a DCP ``CheckpointException`` carries, else a CheckpointError."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        for rank in sorted(failures):
+            value = failures[rank]
+            exc = value[0] if isinstance(value, tuple) else value
+            if isinstance(exc, PrepError):
+                return exc
+        details = "; ".join(
+            f"rank {r}: {v[0] if isinstance(v, tuple) else v}" for r, v in sorted(failures.items())
+        )
+        return CheckpointError(f"torch.distributed.checkpoint failed: {details}", subject="dcp")
+    return error

@@ -1,0 +1,241 @@
+"""``fprep.export_full``: the whole model as one safetensors file, streamed parameter by parameter.
+
+The file holds every parameter and persistent buffer under its original FQN (tied parameters
+under each of their names), buffers in their original dtype (``state.buffers``), and loads with
+plain ``safetensors.torch.load_file`` — no fprep needed.
+
+Memory stays bounded by one full tensor beyond this rank's shards: the header is computed from
+shapes and dtypes alone (global shapes are known without gathering), written first, then each
+tensor is gathered and its bytes are appended on rank 0 before the next one is gathered.
+Tensors sharded on dim 0 (FSDP, and HSDP within rank 0's replica) reach rank 0 shard by shard,
+point to point, each written as it arrives: two receive buffers of one shard each on rank 0
+(reused for every tensor), nothing beyond the shard elsewhere. (``DTensor.full_tensor()`` would
+all-gather onto every rank, and gloo's all-gather and gather stage a second full copy.) Other
+DTensors use ``full_tensor()``.
+The file appears atomically (a temporary file, fsynced, then ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from fprep.checkpoint.collective import Group
+from fprep.checkpoint.files import fsync_dir
+from fprep.checkpoint.states import buffer_dtypes
+from fprep.checkpoint.storage import byte_view
+from fprep.errors import CheckpointError
+from fprep.state import PrepState
+
+#: torch dtype -> safetensors dtype name
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The safetensors header (length prefix included) for tensors written in this order."""
+    body: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        code = SAFETENSORS_DTYPES.get(dtype)
+        if code is None:
+            raise CheckpointError(
+                f"{name!r} has dtype {dtype}, which safetensors cannot store.",
+                subject=name,
+                hint="Cast the model to a supported dtype before exporting.",
+            )
+        size = _prod(shape) * torch.empty((), dtype=dtype).element_size()
+        body[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(body, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # align the data section to 8 bytes
+    return len(text).to_bytes(8, "little") + text
+
+
+def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path:
+    """Write ``path`` (one ``.safetensors`` file) with the full model; call it on every rank.
+
+    Returns ``path``. Rank 0 writes; every rank takes part in the gathers.
+    """
+    group = Group.of(state)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    error: BaseException | None = None
+    values: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    handle: Any = None
+    try:
+        originals = buffer_dtypes(state)
+        for name, value in get_model_state_dict(model).items():
+            if isinstance(value, torch.Tensor):
+                values.append((name, value, originals.get(name, value.dtype)))
+        head = header([(n, d, tuple(v.shape)) for n, v, d in values])
+        if group.rank == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(tmp, "wb")  # noqa: SIM115 - closed below, after the collectives
+            handle.write(head)
+    except Exception as e:
+        error = e
+    try:
+        group.agree(error)
+    except BaseException:
+        _discard(handle, tmp)
+        raise
+    error = None
+    buffers = _Buffers()
+    try:
+        for _name, value, dtype in values:
+            for part in _pieces(value.detach(), buffers):  # collectives: every rank, same order
+                if handle is not None and error is None:
+                    try:
+                        data = part.to(device="cpu", dtype=dtype).contiguous()
+                        handle.write(byte_view(data))
+                        del data
+                    except Exception as e:  # keep taking part in the gathers; report at the end
+                        error = e
+                del part
+        if handle is not None and error is None:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+            handle = None
+    except Exception as e:
+        error = e
+    finally:
+        _discard(handle, tmp)
+    group.agree(error)
+    return target
+
+
+def _dim0_group(value: Any) -> tuple[Any, int, int, bool] | None:
+    """For a DTensor sharded on dim 0 along one mesh dimension (FSDP, HSDP), with rank 0 in its
+    mesh: (that dimension's group for this rank, its size, rank 0's index in it, whether this
+    rank is in rank 0's group). None for other layouts."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(value, DTensor):
+        return None
+    placements = value.placements
+    dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(dims) != 1 or getattr(placements[dims[0]], "dim", None) != 0:
+        return None
+    if not all(isinstance(p, Shard | Replicate) for p in placements):
+        return None
+    mesh = value.device_mesh
+    where = (mesh.mesh == 0).nonzero()
+    coordinate = mesh.get_coordinate()
+    if where.numel() == 0 or coordinate is None:
+        return None
+    zero = [int(c) for c in where[0].tolist()]
+    d = dims[0]
+    pairs = enumerate(zip(coordinate, zero, strict=True))
+    with_rank0 = all(c == z for i, (c, z) in pairs if i != d)
+    return mesh.get_group(d), mesh.size(d), zero[d], with_rank0
+
+
+class _Buffers:
+    """Two receive buffers, reused for every tensor of an export (grown when one is too small).
+
+    Allocated zeroed, so their pages are resident (and counted) from the start rather than
+    faulted in by the communication thread.
+    """
+
+    def __init__(self) -> None:
+        self._flat: list[torch.Tensor | None] = [None, None]
+
+    def like(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        flat = self._flat[slot]
+        if flat is None or flat.numel() < nbytes or flat.device != t.device:
+            self._flat[slot] = None  # free the old one first
+            flat = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=t.device)
+            self._flat[slot] = flat
+        return flat[:nbytes].view(t.dtype).view(t.shape)
+
+
+def _pieces(value: torch.Tensor, buffers: _Buffers) -> Any:
+    """The full tensor's rows, in order, as pieces on rank 0 (other ranks get none). A
+    collective: call it on every rank for the same tensors in the same order."""
+    import torch.distributed as dist
+
+    plan = _dim0_group(value)
+    if plan is None:
+        yield value.full_tensor() if hasattr(value, "full_tensor") else value
+        return
+    group, size, dst, with_rank0 = plan
+    if not with_rank0:  # another HSDP replica holds the same shards: nothing to send
+        return
+    local = value.to_local()  # type: ignore[attr-defined]
+    n = value.shape[0]
+    rows = -(-n // size) if n else 0  # rows of every (padded) shard: torch.chunk semantics
+    padded = local.contiguous()
+    if local.shape[0] != rows:
+        padded = local.new_zeros((rows, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+    if dist.get_rank(group) != dst:
+        dist.send(padded, group=group, group_dst=dst)
+        return
+    # Point to point, shard by shard, into two alternating buffers (one receives while the
+    # other is written): gloo's gather and all-gather stage the whole tensor first.
+    senders = [r for r in range(size) if r != dst]
+    in_flight: dict[int, tuple[int, torch.Tensor, Any]] = {}
+
+    def post(slot: int) -> None:
+        if senders:
+            r = senders.pop(0)
+            buffer = buffers.like(slot, padded)
+            in_flight[r] = (slot, buffer, dist.irecv(buffer, group=group, group_src=r))
+
+    post(0)
+    post(1)
+    for r in range(size):
+        keep = min(max(n - rows * r, 0), rows)
+        if r == dst:
+            if keep:
+                yield padded[:keep]
+            continue
+        slot, chunk, request = in_flight.pop(r)
+        request.wait()
+        if keep:
+            yield chunk[:keep]
+        del chunk
+        post(slot)  # the buffer was written: reuse it for the next sender
+
+
+def _discard(handle: Any, tmp: Path) -> None:
+    if handle is not None:
+        handle.close()
+        with contextlib.suppress(OSError):
+            tmp.unlink()

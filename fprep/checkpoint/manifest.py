@@ -1,0 +1,176 @@
+"""``manifest.json``: everything about a checkpoint that is not tensor data, as plain JSON.
+
+The manifest is the checkpoint's root of trust for integrity: it records the size and sha256 of
+every other file, which are checked before a file is used. It also holds the step, the user's
+extras, the scheduler state, the non-tensor part of each optimizer's state (hyperparameters,
+parameter names; tensors are ``{"$tensor": key}`` references into DCP), and per rank the RNG
+states and the data-loader position. It is parsed as strict JSON and validated field by field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from fprep.checkpoint.files import FileRecord, dump_json, parse_json
+from fprep.checkpoint.metadata import DATA_FILE, METADATA_FILE
+from fprep.errors import CheckpointError
+
+FORMAT = "fprep-checkpoint"
+VERSION = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankRecord:
+    """What one rank saved of its own: RNG states and data-loader position (JSON data)."""
+
+    rng: Any = None
+    loader: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerRecord:
+    """One optimizer: its class (``module.QualName``, compared, never imported) and its
+    encoded state dict without tensors."""
+
+    cls: str
+    state: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    step: int
+    world_size: int
+    strategy: str
+    state_dict_type: str
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    optimizers: tuple[OptimizerRecord, ...] = ()
+    scheduler: Any = None  # encoded scheduler state, None when none was saved
+    ranks: tuple[RankRecord, ...] = ()
+    extras: Any = None  # encoded user extras
+    fprep_version: str = ""
+    torch_version: str = ""
+
+    def to_json_bytes(self) -> bytes:
+        return dump_json(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "step": self.step,
+                "world_size": self.world_size,
+                "strategy": self.strategy,
+                "state_dict_type": self.state_dict_type,
+                "fprep_version": self.fprep_version,
+                "torch_version": self.torch_version,
+                "files": {
+                    name: {"size": r.size, "sha256": r.sha256} for name, r in self.files.items()
+                },
+                "optimizers": [{"class": o.cls, "state_dict": o.state} for o in self.optimizers],
+                "scheduler": self.scheduler,
+                "ranks": [{"rng": r.rng, "loader": r.loader} for r in self.ranks],
+                "extras": self.extras,
+            }
+        )
+
+
+def _fail(detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"manifest.json is not valid: {detail}.",
+        subject="manifest.json",
+        hint="The file was not written by fprep.save, or was modified; nothing was loaded.",
+    )
+
+
+def _int(data: dict[str, Any], name: str, minimum: int) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _fail(f"{name!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _str(data: dict[str, Any], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise _fail(f"{name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse(data: bytes) -> Manifest:
+    obj = parse_json(data, "manifest.json")
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise _fail(f"its format is not {FORMAT!r}")
+    if obj.get("version") != VERSION:
+        raise _fail(f"version {obj.get('version')!r} is not {VERSION} (written by a newer fprep?)")
+    expected = {
+        "format",
+        "version",
+        "step",
+        "world_size",
+        "strategy",
+        "state_dict_type",
+        "fprep_version",
+        "torch_version",
+        "files",
+        "optimizers",
+        "scheduler",
+        "ranks",
+        "extras",
+    }
+    if set(obj) != expected:
+        extra, missing = sorted(set(obj) - expected), sorted(expected - set(obj))
+        raise _fail(f"unexpected fields {extra}, missing fields {missing}")
+    files_obj = obj["files"]
+    if not isinstance(files_obj, dict):
+        raise _fail("'files' must be an object")
+    files: dict[str, FileRecord] = {}
+    for name, rec in files_obj.items():
+        if name != METADATA_FILE and not DATA_FILE.fullmatch(name):
+            raise _fail(f"'files' lists {name!r}, which is not a checkpoint file name")
+        if not isinstance(rec, dict) or set(rec) != {"size", "sha256"}:
+            raise _fail(f"the record of {name!r} must have exactly 'size' and 'sha256'")
+        size, digest = rec["size"], rec["sha256"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise _fail(f"the size of {name!r} must be an int >= 0")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise _fail(f"the sha256 of {name!r} must be 64 lowercase hex digits")
+        files[name] = FileRecord(size=size, sha256=digest)
+    if METADATA_FILE not in files:
+        raise _fail(f"'files' does not list {METADATA_FILE}")
+    world_size = _int(obj, "world_size", 1)
+    ranks_obj = obj["ranks"]
+    if not isinstance(ranks_obj, list) or len(ranks_obj) != world_size:
+        raise _fail(f"'ranks' must be a list of {world_size} records")
+    ranks = []
+    for r in ranks_obj:
+        if not isinstance(r, dict) or set(r) != {"rng", "loader"}:
+            raise _fail("each rank record must have exactly 'rng' and 'loader'")
+        ranks.append(RankRecord(rng=r["rng"], loader=r["loader"]))
+    if not isinstance(obj["optimizers"], list):
+        raise _fail("'optimizers' must be a list")
+    optimizers = []
+    for o in obj["optimizers"]:
+        if (
+            not isinstance(o, dict)
+            or set(o) != {"class", "state_dict"}
+            or not isinstance(o["class"], str)
+        ):
+            raise _fail("each optimizer record must have exactly 'class' and 'state_dict'")
+        optimizers.append(OptimizerRecord(cls=o["class"], state=o["state_dict"]))
+    state_dict_type = _str(obj, "state_dict_type")
+    if state_dict_type not in ("sharded", "full"):
+        raise _fail(f"'state_dict_type' must be 'sharded' or 'full', got {state_dict_type!r}")
+    return Manifest(
+        step=_int(obj, "step", 0),
+        world_size=world_size,
+        strategy=_str(obj, "strategy"),
+        state_dict_type=state_dict_type,
+        files=files,
+        optimizers=tuple(optimizers),
+        scheduler=obj["scheduler"],
+        ranks=tuple(ranks),
+        extras=obj["extras"],
+        fprep_version=_str(obj, "fprep_version"),
+        torch_version=_str(obj, "torch_version"),
+    )

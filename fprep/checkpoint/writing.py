@@ -1,0 +1,197 @@
+"""``fprep.save``: one checkpoint, written atomically, readable at any world size.
+
+Order of work (every rank, collectives in the same order):
+
+1. check the arguments and turn every non-tensor value into JSON data (before any effect);
+2. rank 0 creates a fresh ``.tmp-*`` directory; all ranks agree that nothing failed;
+3. ``torch.distributed.checkpoint.save`` of the tensors through ``SafeWriter`` (raw bytes,
+   sha256 per file, ``metadata.json`` on the coordinator);
+4. rank 0 gathers each rank's file records, RNG states and loader position, writes
+   ``manifest.json``, publishes (rename + ``latest``), rotates, removes stale temp dirs;
+5. every rank returns the published directory (or raises the same error).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from fprep.checkpoint import layout, rng
+from fprep.checkpoint.collective import Group, unwrap_dcp_error
+from fprep.checkpoint.encoding import encode
+from fprep.checkpoint.files import write_durable
+from fprep.checkpoint.manifest import Manifest, OptimizerRecord, RankRecord
+from fprep.checkpoint.states import model_tensors, split_optimizers
+from fprep.checkpoint.storage import SafeWriter
+from fprep.errors import CheckpointError, PrepError
+from fprep.state import PrepState, need
+
+
+def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return (optimizers,)
+    out = tuple(optimizers)
+    for i, opt in enumerate(out):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise CheckpointError(
+                f"optimizers[{i}] is a {type(opt).__qualname__}, not a torch.optim.Optimizer.",
+                subject=f"optimizers[{i}]",
+                hint="Pass optimizers=(opt,) or optimizers=opt.",
+            )
+    return out
+
+
+def check_stateful(obj: Any, name: str) -> None:
+    if obj is not None and not (
+        callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    ):
+        raise CheckpointError(
+            f"{name} is a {type(obj).__qualname__} without state_dict() / load_state_dict().",
+            subject=name,
+            hint=f"Pass the object whose position should be saved, or {name}=None.",
+        )
+
+
+def _check_args(step: object, keep_last: object) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0; got {step!r}.", subject="step")
+    if keep_last is not None and (
+        not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+    ):
+        raise CheckpointError(
+            f"keep_last must be None or an int >= 1; got {keep_last!r}.",
+            subject="keep_last",
+            hint="keep_last=None keeps every checkpoint.",
+        )
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save model, optimizers, scheduler, loader position, RNG states, step and extras.
+
+    Call it on every rank. Returns the published step directory (``path/step-<step>``).
+    Raises ``CheckpointError`` (on every rank) when anything cannot be saved; the previous
+    checkpoints are untouched. See docs/checkpoints.md.
+    """
+    root = Path(path)
+    group = Group.of(state)
+    core = need(state.core, "init_core", "fprep.save")
+    sd_state = need(state.state_dict, "init_state_dict", "fprep.save")
+    device = need(state.device, "init_device", "fprep.save")
+    tmp: Path | None = None
+    error: BaseException | None = None
+    tensors: dict[str, torch.Tensor] = {}
+    skeletons: list[OptimizerRecord] = []
+    encoded_extras: Any = None
+    encoded_scheduler: Any = None
+    record = RankRecord()
+    try:
+        _check_args(step, keep_last)
+        opts = as_optimizers(optimizers)
+        check_stateful(scheduler, "scheduler")
+        check_stateful(loader, "loader")
+        encoded_extras = encode(extras, "extras", None)
+        encoded_scheduler = (
+            None if scheduler is None else encode(scheduler.state_dict(), "scheduler", None)
+        )
+        encoded_loader = None if loader is None else encode(loader.state_dict(), "loader", None)
+        tensors.update(model_tensors(state, model, for_save=True))
+        skeletons = split_optimizers(state, model, opts, tensors, for_save=True)
+        record = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
+        if group.rank == 0:
+            tmp = layout.new_tmp_dir(root, step)
+    except Exception as e:
+        error = e if isinstance(e, PrepError) else _failed("collecting state", root, e)
+    try:
+        names = group.agree(error, None if tmp is None else tmp.name)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp = root / names[0]
+    writer = SafeWriter(tmp)
+    try:
+        with group.dcp_call():
+            dcp_save(
+                tensors,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=not group.distributed,
+            )
+    except BaseException as e:  # DCP raises CheckpointException, a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        _discard(tmp, group)
+        raise unwrap_dcp_error(e) from None
+    del tensors
+    gathered = group.all_gather((dict(writer.files), record))
+    published: Path | None = None
+    error = None
+    if group.rank == 0:
+        try:
+            files = {name: rec for f, _ in gathered for name, rec in f.items()}
+            manifest = Manifest(
+                step=step,
+                world_size=group.world_size,
+                strategy=core.strategy,
+                state_dict_type=sd_state.type,
+                files=files,
+                optimizers=tuple(skeletons),
+                scheduler=encoded_scheduler,
+                ranks=tuple(r for _, r in gathered),
+                extras=encoded_extras,
+                fprep_version=_fprep_version(),
+                torch_version=str(torch.__version__),
+            )
+            write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
+            published = layout.publish(root, tmp, step)
+            if keep_last is not None:
+                layout.rotate(root, keep_last)
+            layout.clean_stale(root)
+        except Exception as e:
+            error = e if isinstance(e, PrepError) else _failed("publishing", root, e)
+            if published is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    group.agree(error)
+    name = group.broadcast(None if published is None else published.name)
+    return root / str(name)
+
+
+def _failed(phase: str, root: Path, error: Exception) -> CheckpointError:
+    wrapped = CheckpointError(
+        f"saving to {root} failed while {phase}: {type(error).__name__}: {error}",
+        subject=str(root),
+        hint="The previous checkpoints are untouched; the next save removes what this one left.",
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _discard(tmp: Path, group: Group) -> None:
+    if group.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fprep_version() -> str:
+    import fprep
+
+    return str(getattr(fprep, "__version__", ""))

@@ -1,0 +1,328 @@
+"""Rank functions for tests/test_checkpoint_distributed.py (and helpers the single-process tests
+share). Module level throughout, so ``run_ranks`` can pickle them into spawned ranks.
+
+One rank function per spawned group, each running many cases (spawning costs seconds on two
+cores). Ranks return plain data: tensors as ``torch.save`` bytes (gathered full state on rank 0),
+errors as strings; the tests assert in the parent process.
+
+The model has everything resharding can trip over: rows that do not divide by 2, 3 or 4
+(``head`` has 3, ``odd`` has 1), a persistent buffer, dropout (so RNG state matters), wrap units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fprep
+from fprep.errors import CheckpointError
+
+Params = dict[str, torch.Tensor]
+SEED = 5
+N_STEPS = 4  # steps before the save (mid-epoch: an epoch is 6 steps at 2 ranks)
+M_STEPS = 5  # steps after it (crossing into the next epoch)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.drop = nn.Dropout(0.25)
+        self.down = nn.Linear(2 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h + self.down(self.drop(F.gelu(self.up(h)))))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab: int = 10, d: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.head = nn.Linear(d, classes)  # 3 rows: uneven at 2 and 4 ranks
+        self.odd = nn.Parameter(torch.randn(1, d))  # fewer rows than ranks
+        self.register_buffer("scale", torch.ones(classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.odd
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(h) * self.scale
+        return out
+
+
+def build(seed: int = SEED, **kw: Any) -> Net:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Net(**kw)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(0, 10, (48,), generator=g)
+    y = torch.randint(0, 3, (48,), generator=g)
+    return TensorDataset(x, y)
+
+
+def objects(model: nn.Module) -> tuple[torch.optim.Optimizer, Any, DataLoader[Any]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    loader = DataLoader(dataset(), batch_size=4, shuffle=True)
+    return opt, sched, loader
+
+
+def config(strategy: str, **kw: Any) -> fprep.PrepConfig:
+    return fprep.PrepConfig(strategy=strategy, wrap=Block, seed=0, **kw)  # type: ignore[arg-type]
+
+
+def prepared(strategy: str, seed: int = SEED, **kw: Any) -> tuple[Any, ...]:
+    """``(state, model, opt, sched, loader)`` for a fresh model."""
+    model = build(seed)
+    opt, sched, loader = objects(model)
+    return fprep.prepare(model, config(strategy, **kw), opt, sched, loader)
+
+
+def batches(loader: Any) -> Iterator[Any]:
+    """The loader's batches. Creating a DataLoader iterator draws a seed from the global RNG
+    (torch's DataLoader does, whatever the sampler); that draw is kept out of the global RNG
+    here so that a run resumed mid-epoch draws exactly what an uninterrupted one does."""
+    it = iter(loader)
+    with torch.random.fork_rng(devices=[]):
+        first = next(it, None)
+    if first is None:
+        return
+    yield first
+    yield from it
+
+
+class Trainer:
+    """Steps through epochs; the loader's position survives between calls."""
+
+    def __init__(self, state: Any, model: nn.Module, opt: Any, sched: Any, loader: Any) -> None:
+        self.state, self.model, self.opt, self.sched, self.loader = state, model, opt, sched, loader
+        self._it: Iterator[Any] | None = None
+
+    def run(self, steps: int) -> None:
+        done = 0
+        while done < steps:
+            if self._it is None:
+                self._it = batches(self.loader)
+            batch = next(self._it, None)
+            if batch is None:
+                self._it = None
+                continue
+            x, y = batch
+            loss = F.cross_entropy(self.model(x), y)
+            fprep.backward(self.state, self.model, loss)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.sched.step()
+            done += 1
+
+
+# -- data helpers --------------------------------------------------------------------------------
+def dump(tensors: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def undump(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Full model (and optimizer) state by FQN, on CPU; gathered on every rank (collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    out: dict[str, Any] = {
+        "model": {
+            k: v.detach().cpu().clone()
+            for k, v in get_model_state_dict(model, options=options).items()
+        }
+    }
+    if opt is not None:
+        osd = get_optimizer_state_dict(model, opt, options=options)
+        out["optim"] = {
+            fqn: {k: v.detach().cpu().clone() for k, v in entry.items()}
+            for fqn, entry in osd["state"].items()
+        }
+        out["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+    return out
+
+
+def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards of the model and optimizer state (no collective), for 'unchanged'."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        out[f"m.{k}"] = (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            t = v.to_local() if hasattr(v, "to_local") else v
+            out[f"o.{i}.{k}"] = t.detach().clone()
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def expect_error(fn: Any) -> str:
+    try:
+        fn()
+    except CheckpointError as e:
+        return f"CheckpointError: {e}"
+    except Exception as e:  # the wrong kind of error is a failure the test reports
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# -- groups --------------------------------------------------------------------------------------
+def four_hsdp(root: str) -> dict[str, Any]:
+    """4 ranks, hsdp (2 x 2): train 2 steps, save; return the full state at the save."""
+    torch.set_num_threads(1)
+    state, model, opt, sched, loader = prepared("hsdp", hsdp_shard_size=2)
+    Trainer(state, model, opt, sched, loader).run(2)
+    fprep.save(Path(root) / "hsdp", state, model, optimizers=(opt,), scheduler=sched, step=2)
+    fprep.export_full(Path(root) / "hsdp.safetensors", state, model)
+    full = full_state(model, opt)
+    return {"full": dump(full) if rank() == 0 else b"", "strategy": state.core.strategy}
+
+
+def two_first(root: str) -> dict[str, Any]:
+    """2 ranks, fsdp: hsdp(4) -> fsdp(2); train N, save (sharded and full), M more; export."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    base = Path(root)
+    # hsdp at 4 -> fsdp at 2, another seed: everything must come from the checkpoint
+    state, model, opt, sched, _ = prepared("fsdp", seed=99)
+    info = fprep.load(base / "hsdp", state, model, optimizers=(opt,), scheduler=sched)
+    out["from_hsdp"] = dump(full_state(model, opt))
+    out["from_hsdp_info"] = (info.step, info.world_size, info.strategy, info.rng_restored)
+    out["from_hsdp_lr"] = sched.get_last_lr()
+
+    state, model, opt, sched, loader = prepared("fsdp")
+    trainer = Trainer(state, model, opt, sched, loader)
+    trainer.run(N_STEPS)
+    rng_before = torch.get_rng_state()
+    fprep.save(
+        base / "a",
+        state,
+        model,
+        optimizers=(opt,),
+        scheduler=sched,
+        loader=loader,
+        step=N_STEPS,
+        extras={"rank_count": 2, "note": "mid-epoch"},
+    )
+    assert state.state_dict is not None
+    full_plan = state.replace(state_dict=dataclasses.replace(state.state_dict, type="full"))
+    fprep.save(base / "a_full", full_plan, model, optimizers=(opt,), step=N_STEPS)
+    out["save_keeps_rng"] = torch.equal(rng_before, torch.get_rng_state())
+    out["at_save"] = dump(full_state(model, opt))
+    out["loader_at_save"] = loader.state_dict()
+    trainer.run(M_STEPS)
+    out["uninterrupted"] = dump(full_state(model)["model"])
+    fprep.export_full(base / "export.safetensors", state, model)
+    out["files_a"] = sorted(os.listdir(base / "a" / f"step-{N_STEPS:08d}"))
+    out["files_a_full"] = sorted(os.listdir(base / "a_full" / f"step-{N_STEPS:08d}"))
+    return {k: v for k, v in out.items() if rank() == 0 or not isinstance(v, bytes)}
+
+
+def _damaged(src: Path, dst: Path, kind: str) -> Path:
+    if rank() == 0:
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+        step_dir = next(p for p in dst.iterdir() if p.name.startswith("step-"))
+        target = step_dir / "__1_0.distcp"
+        data = bytearray(target.read_bytes())
+        if kind == "truncated":
+            data = data[: len(data) // 2]
+        else:  # same size, one byte flipped: only the hash can tell
+            data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    barrier()
+    return dst
+
+
+def two_second(root: str) -> dict[str, Any]:
+    """2 ranks, fsdp, a fresh process group: resume, 1 -> 2, fsdp -> ddp, damaged files."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    base = Path(root)
+    state, model, opt, sched, loader = prepared("fsdp", seed=123)
+    info = fprep.load(base / "a", state, model, optimizers=(opt,), scheduler=sched, loader=loader)
+    out["resume_info"] = (info.step, info.extras, info.rng_restored, info.notes)
+    out["loader_after_load"] = loader.state_dict()
+    Trainer(state, model, opt, sched, loader).run(M_STEPS)
+    out["resumed"] = dump(full_state(model)["model"])
+
+    # 1 -> 2 (a single-process checkpoint into fsdp)
+    state, model, opt, sched, _ = prepared("fsdp", seed=7)
+    fprep.load(base / "one", state, model, optimizers=(opt,), scheduler=sched)
+    out["from_one"] = dump(full_state(model, opt))
+
+    # fsdp -> ddp at the same world size
+    state, model, opt, sched, _ = prepared("ddp", seed=8)
+    fprep.load(base / "a", state, model, optimizers=(opt,), scheduler=sched)
+    out["ddp_from_fsdp"] = dump(full_state(model, opt))
+
+    # damaged copies: every rank raises, nothing changes
+    state, model, opt, sched, _ = prepared("fsdp", seed=9)
+    Trainer(state, model, opt, sched, prepared("fsdp")[4]).run(1)
+    before = local_state(model, opt)
+    lr_before = sched.get_last_lr()
+    for kind in ("truncated", "flipped"):
+        path = _damaged(base / "a", base / f"damaged_{kind}", kind)
+        out[f"error_{kind}"] = expect_error(
+            lambda path=path: fprep.load(path, state, model, optimizers=(opt,), scheduler=sched)
+        )
+    out["unchanged"] = same(before, local_state(model, opt)) and lr_before == sched.get_last_lr()
+    # a fresh optimizer stays fresh after a failed load (DCP would have created its state)
+    state, model, opt, sched, _ = prepared("fsdp", seed=10)
+    out["error_fresh"] = expect_error(
+        lambda: fprep.load(base / "damaged_flipped", state, model, optimizers=(opt,))
+    )
+    out["fresh_still_fresh"] = len(opt.state) == 0
+    return {k: v for k, v in out.items() if rank() == 0 or not isinstance(v, bytes)}
+
+
+def three(root: str) -> dict[str, Any]:
+    """3 ranks, fsdp: the 2-rank checkpoints (sharded and full) resharded to 3."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for name in ("a", "a_full"):
+        state, model, opt, _, _ = prepared("fsdp", seed=42)
+        info = fprep.load(Path(root) / name, state, model, optimizers=(opt,))
+        out[name] = dump(full_state(model, opt))
+        out[f"{name}_notes"] = info.notes
+        if name == "a":  # two shards arrive at rank 0 per tensor: both receive buffers in use
+            fprep.export_full(Path(root) / "three.safetensors", state, model)
+    return {k: v for k, v in out.items() if rank() == 0 or not isinstance(v, bytes)}

@@ -1,0 +1,709 @@
+"""``fprep.save`` / ``fprep.load`` / ``fprep.export_full`` in one process.
+
+* round trips: model, optimizer, scheduler, loader position, RNG states, step, extras; an
+  optimizer that never stepped stays fresh; buffers keep their original dtype;
+* layout: ``latest``, step directories, saving the same step twice, keep-last rotation, loading
+  the root, a step directory, or a root without ``latest``;
+* atomicity: a save failing in each of its phases, and a saving process killed with SIGKILL at
+  random moments, leave a loadable checkpoint; leftovers are removed by the next save;
+* safety: crafted files in place of each file of a checkpoint (pickle payloads that would run
+  code, garbage, symlinks, consistent-but-crafted manifests) are refused or read as raw bytes,
+  and never execute;
+* bad input: missing or truncated files, shape / dtype mismatches, missing / unexpected keys
+  (strict and not), another model, another optimizer: a ``CheckpointError`` naming what differs,
+  and the model and optimizer unchanged;
+* ``export_full``: one safetensors file, loadable by plain ``safetensors`` and torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import _checkpoint_workers as W
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import fprep
+from fprep.checkpoint import LoadedInfo, layout, storage, writing
+from fprep.checkpoint.storage import SafeWriter
+from fprep.errors import CheckpointError, PrepError
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def trained(seed: int = W.SEED, steps: int = 3, **kw: Any) -> tuple[Any, ...]:
+    state, model, opt, sched, loader = W.prepared("none", seed=seed, **kw)
+    W.Trainer(state, model, opt, sched, loader).run(steps)
+    return state, model, opt, sched, loader
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> Any:
+    return copy.deepcopy((model.state_dict(), None if opt is None else opt.state_dict()))
+
+
+def same_snapshot(a: Any, b: Any) -> bool:
+    def eq(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        if isinstance(x, list | tuple):
+            return type(x) is type(y) and len(x) == len(y) and all(map(eq, x, y))
+        return bool(x == y)
+
+    return eq(a, b)
+
+
+def step_dir(root: Path) -> Path:
+    return layout.resolve(root)
+
+
+def rewrite_manifest(directory: Path, change: Any) -> None:
+    """An attacker's edit: change the manifest (e.g. hashes) so that it stays consistent."""
+    path = directory / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def rehash(directory: Path, name: str) -> None:
+    data = (directory / name).read_bytes()
+
+    def change(m: dict[str, Any]) -> None:
+        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    rewrite_manifest(directory, change)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> dict[str, Any]:
+    state, model, opt, sched, loader = trained()
+    root = tmp_path / "ckpt"
+    fprep.save(
+        root,
+        state,
+        model,
+        optimizers=(opt,),
+        scheduler=sched,
+        loader=loader,
+        step=3,
+        extras={"best": 0.5},
+    )
+    return {
+        "root": root,
+        "state": state,
+        "model": model,
+        "opt": opt,
+        "sched": sched,
+        "loader": loader,
+        "dir": step_dir(root),
+    }
+
+
+# -- round trips ---------------------------------------------------------------------------------
+def test_round_trip_restores_everything(tmp_path: Path) -> None:
+    state, model, opt, sched, loader = trained(steps=4)
+    root = tmp_path / "ckpt"
+    extras = {"tuple": (1, 2.5), "nan": float("nan"), "nested": {"a": [None, True]}, 3: "int key"}
+    torch.manual_seed(1234)
+    published = fprep.save(
+        root, state, model, optimizers=opt, scheduler=sched, loader=loader, step=4, extras=extras
+    )
+    assert published == root / "step-00000004"
+    expected_rand = torch.rand(5)  # what the RNG gives right after the save
+    expected_py = random.random()
+    want = snapshot(model, opt)
+
+    state2, model2, opt2, sched2, loader2 = W.prepared("none", seed=99)
+    torch.manual_seed(0)
+    info = fprep.load(root, state2, model2, optimizers=opt2, scheduler=sched2, loader=loader2)
+    assert isinstance(info, LoadedInfo)
+    assert torch.equal(torch.rand(5), expected_rand) and random.random() == expected_py
+    assert same_snapshot(snapshot(model2, opt2), want)
+    assert sched2.state_dict() == sched.state_dict()
+    assert loader2.state_dict() == loader.state_dict() == {"epoch": 0, "batches": 4}
+    assert info.step == 4 and info.path == published and info.rng_restored
+    assert info.world_size == 1 and info.strategy == "none" and info.state_dict_type == "sharded"
+    assert info.missing_keys == () and info.unexpected_keys == () and info.notes == ()
+    got = info.extras
+    assert got["tuple"] == (1, 2.5) and got["nested"] == {"a": [None, True]} and got[3] == "int key"
+    assert got["nan"] != got["nan"]
+
+
+def test_fresh_optimizer_is_saved_without_creating_state(tmp_path: Path) -> None:
+    state, model, opt, sched, _ = W.prepared("none")
+    fprep.save(tmp_path, state, model, optimizers=(opt,), scheduler=sched)
+    assert len(opt.state) == 0  # DCP's get_optimizer_state_dict would have stepped it
+    # into an optimizer that has state: it comes back fresh, with the saved hyperparameters
+    state2, model2, opt2, *_ = trained(seed=4)
+    opt2.param_groups[0]["lr"] = 123.0
+    fprep.load(tmp_path, state2, model2, optimizers=(opt2,))
+    assert len(opt2.state) == 0 and opt2.param_groups[0]["lr"] == 0.05
+    assert same_snapshot(model2.state_dict(), model.state_dict())
+
+
+def test_buffers_are_saved_in_their_original_dtype(tmp_path: Path) -> None:
+    state, model, *_ = W.prepared("none")
+    model.scale = model.scale.to(torch.bfloat16) * 3  # cast after prepare (as mixed precision may)
+    fprep.save(tmp_path, state, model)
+    meta = json.loads((step_dir(tmp_path) / "metadata.json").read_text())
+    assert meta["tensors"]["model/scale"]["dtype"] == "float32"
+    state2, model2, *_ = W.prepared("none", seed=1)
+    fprep.load(tmp_path, state2, model2)
+    assert model2.scale.dtype == torch.float32 and torch.equal(model2.scale, torch.full((3,), 3.0))
+
+
+def test_values_that_are_not_plain_data_are_refused_before_writing(tmp_path: Path) -> None:
+    state, model, opt, *_ = W.prepared("none")
+
+    class TensorScheduler:
+        def state_dict(self) -> dict[str, Any]:
+            return {"warmup": torch.ones(2)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    with pytest.raises(CheckpointError, match="extras holds a value of type object at x") as e:
+        fprep.save(tmp_path, state, model, extras={"x": object()})
+    assert e.value.subject == "extras/x"
+    with pytest.raises(CheckpointError, match="scheduler holds a tensor at warmup"):
+        fprep.save(tmp_path, state, model, scheduler=TensorScheduler())
+    with pytest.raises(CheckpointError, match="without state_dict"):
+        fprep.save(tmp_path, state, model, loader=[1, 2])
+    with pytest.raises(CheckpointError, match="step must be an int >= 0"):
+        fprep.save(tmp_path, state, model, step=-1)
+    with pytest.raises(CheckpointError, match="keep_last must be None or an int >= 1"):
+        fprep.save(tmp_path, state, model, keep_last=0)
+    with pytest.raises(CheckpointError, match=r"not a torch\.optim\.Optimizer"):
+        fprep.save(tmp_path, state, model, optimizers=[opt, "adam"])  # type: ignore[list-item]
+
+    class WithExtraState(nn.Linear):
+        def get_extra_state(self) -> Any:
+            return {"calibrated": True}
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    extra = WithExtraState(2, 2)
+    s_extra, extra = fprep.prepare(extra, fprep.PrepConfig())
+    with pytest.raises(CheckpointError, match="holds a dict under '_extra_state'"):
+        fprep.save(tmp_path, s_extra, extra)
+    assert os.listdir(tmp_path) == []  # nothing was written, not even a temporary directory
+    assert isinstance(e.value, PrepError)
+
+
+def test_large_ranks_write_several_files_in_parallel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: one file per rank")
+    monkeypatch.setattr(storage, "MIN_FILE", 1024)
+    state, model, opt, *_ = trained()
+    fprep.save(tmp_path, state, model, optimizers=(opt,))
+    names = sorted(p.name for p in step_dir(tmp_path).glob("*.distcp"))
+    assert len(names) == min(4, os.cpu_count() or 1) and names[0] == "__0_0.distcp"
+    state2, model2, opt2, *_ = W.prepared("none", seed=1)
+    fprep.load(tmp_path, state2, model2, optimizers=(opt2,))
+    assert same_snapshot(snapshot(model2, opt2), snapshot(model, opt))
+    last = step_dir(tmp_path) / names[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0x80
+    last.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{names[-1]} does not match its sha256"):
+        fprep.load(tmp_path, state2, model2, optimizers=(opt2,))
+
+
+# -- layout, latest, rotation --------------------------------------------------------------------
+def test_latest_rotation_and_resolving(tmp_path: Path) -> None:
+    state, model, *_ = W.prepared("none")
+    for step in (1, 2, 2, 3, 4):
+        with torch.no_grad():
+            model.odd.fill_(float(step))
+        fprep.save(tmp_path, state, model, step=step, keep_last=3, extras=step)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000002.1", "step-00000003", "step-00000004"]
+    assert (tmp_path / "latest").read_text() == "step-00000004\n"
+
+    def loaded(path: Path) -> int:
+        s, m, *_ = W.prepared("none", seed=1)
+        info = fprep.load(path, s, m)
+        assert torch.equal(m.odd, torch.full_like(m.odd, float(info.extras)))
+        return info.step
+
+    assert loaded(tmp_path) == 4
+    assert loaded(tmp_path / "step-00000002.1") == 2
+    (tmp_path / "latest").unlink()  # no pointer: the newest step directory
+    assert loaded(tmp_path) == 4
+    # rotation never removes the checkpoint `latest` names, even when it is not the newest
+    with torch.no_grad():
+        model.odd.fill_(0.0)
+    fprep.save(tmp_path, state, model, step=0, keep_last=1, extras=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
+
+
+def test_no_checkpoint_and_dangling_pointer(tmp_path: Path) -> None:
+    state, model, *_ = W.prepared("none")
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        fprep.load(tmp_path, state, model)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        fprep.load(tmp_path / "nothing", state, model)
+    (tmp_path / "latest").write_text("step-00000009\n")
+    with pytest.raises(CheckpointError, match="names step-00000009, which does not exist"):
+        fprep.load(tmp_path, state, model)
+
+
+# -- atomicity -----------------------------------------------------------------------------------
+def _fail(*args: Any, **kwargs: Any) -> Any:
+    raise OSError("injected failure")
+
+
+PHASES = {
+    "writing tensors": (SafeWriter, "write_data"),
+    "writing metadata": (SafeWriter, "finish"),
+    "writing the manifest": (writing, "write_durable"),
+    "publishing (rename)": (os, "rename"),
+    "replacing latest": (os, "replace"),
+}
+
+
+@pytest.mark.parametrize("phase", sorted(PHASES))
+def test_a_failed_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, model, *_ = W.prepared("none")
+    fprep.save(tmp_path, state, model, step=1)
+    with torch.no_grad():
+        model.odd.fill_(7.0)
+    with monkeypatch.context() as m:
+        m.setattr(*PHASES[phase], _fail)
+        with pytest.raises(CheckpointError, match="injected failure"):
+            fprep.save(tmp_path, state, model, step=2)
+    s, m2, *_ = W.prepared("none", seed=1)
+    info = fprep.load(tmp_path, s, m2)
+    # the pointer still names step 1, unless only the pointer update failed (step 2 is complete)
+    expected = 1
+    assert info.step == expected
+    # the next save removes whatever the failed one left behind
+    fprep.save(tmp_path, state, model, step=3)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert fprep.load(tmp_path, s, m2).step == 3 and torch.equal(m2.odd, model.odd)
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, random, sys, time
+    import torch
+    from torch import nn
+    import fprep
+
+    root, start, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rnd = random.Random(seed)
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # spreads a save's phases out, so kills land in every one of them
+        time.sleep(rnd.random() * 0.01)
+        real_fsync(fd)
+
+    os.fsync = slow_fsync
+    import fprep.checkpoint.reading, fprep.checkpoint.writing  # imports DCP: not in the window
+    state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
+    print("ready", flush=True)
+    step = start
+    while True:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        fprep.save(root, state, model, step=step, keep_last=3, extras={"step": step})
+        print(step, flush=True)
+        step += 1
+    """
+)
+
+
+def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
+    rnd = random.Random(2024)
+    root = tmp_path / "ckpt"
+    completed: list[int] = []
+    for round_ in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(root), str(100 * round_), str(round_)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        completed.append(int(proc.stdout.readline()))  # saving is under way: kill at random
+        time.sleep(rnd.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=30)
+        completed += [int(line) for line in rest.split()]
+        state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
+        info = fprep.load(root, state, model)
+        # the newest completed save, or the one in flight if it got published
+        assert info.step in (completed[-1], completed[-1] + 1)
+        assert info.extras == {"step": info.step}
+        for p in model.parameters():
+            assert torch.equal(p, torch.full_like(p, float(info.step)))
+        completed.append(info.step)
+    state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
+    fprep.save(root, state, model, step=999, keep_last=3)
+    names = sorted(p.name for p in root.iterdir())
+    assert not [n for n in names if n.startswith(".")]  # stale temp dirs and files removed
+    assert len([n for n in names if n.startswith("step-")]) == 3
+
+
+# -- safety: crafted files -----------------------------------------------------------------------
+class Payload:
+    """Unpickling this creates the marker file: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def pickle_payload(marker: Path) -> bytes:
+    return pickle.dumps(Payload(marker))
+
+
+def torch_payload(marker: Path) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"x": Payload(marker)}, buffer)
+    return buffer.getvalue()
+
+
+FILES = ["latest", "manifest.json", "metadata.json", "__0_0.distcp"]
+
+
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("content", ["pickle", "torch.save", "garbage", "empty", "symlink"])
+def test_crafted_file_is_refused_and_never_executed(
+    saved: dict[str, Any], tmp_path: Path, name: str, content: str
+) -> None:
+    marker = tmp_path / "marker"
+    path = (saved["root"] if name == "latest" else saved["dir"]) / name
+    path.unlink()
+    if content == "pickle":
+        path.write_bytes(pickle_payload(marker))
+    elif content == "torch.save":
+        path.write_bytes(torch_payload(marker))
+    elif content == "garbage":
+        path.write_bytes(os.urandom(4096))
+    elif content == "empty":
+        path.write_bytes(b"")
+    else:
+        target = tmp_path / "elsewhere"
+        target.write_bytes(pickle_payload(marker))
+        path.symlink_to(target)
+    state, model, opt, sched, loader = W.prepared("none", seed=1)
+    before = snapshot(model, opt)
+    with pytest.raises(CheckpointError) as e:
+        fprep.load(saved["root"], state, model, optimizers=(opt,), scheduler=sched, loader=loader)
+    assert not marker.exists()
+    assert same_snapshot(snapshot(model, opt), before)
+    assert e.value.subject  # names the file (or the pointer) at fault
+    assert name in str(e.value) or name == "latest"
+
+
+@pytest.mark.parametrize("name", ["metadata.json", "__0_0.distcp"])
+def test_a_flipped_byte_is_caught_by_the_hash(saved: dict[str, Any], name: str) -> None:
+    path = saved["dir"] / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    state, model, opt, sched, _ = W.prepared("none", seed=1)
+    before = snapshot(model, opt)
+    with pytest.raises(CheckpointError, match=rf"{name} does not match its sha256") as e:
+        fprep.load(saved["root"], state, model, optimizers=(opt,), scheduler=sched)
+    assert e.value.subject == name
+    assert same_snapshot(snapshot(model, opt), before) and len(opt.state) == 0
+    if name == "__0_0.distcp":  # trusted storage: hashes skipped, sizes and structure checked
+        info = fprep.load(saved["root"], state, model, optimizers=(opt,), verify_hashes=False)
+        assert info.step == 3
+
+
+def test_dcp_pickle_metadata_is_never_read(saved: dict[str, Any], tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    (saved["dir"] / ".metadata").write_bytes(pickle_payload(marker))  # what DCP would unpickle
+    state, model, *_ = W.prepared("none", seed=1)
+    fprep.load(saved["root"], state, model)  # loads, ignoring the stray file
+    assert not marker.exists()
+    # a checkpoint written by plain DCP (pickled .metadata, no manifest) is refused, unread
+    import torch.distributed.checkpoint as dcp
+
+    plain = tmp_path / "plain"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=plain, no_dist=True)
+    (plain / ".metadata").write_bytes(pickle_payload(marker))
+    with pytest.raises(CheckpointError, match=r"no manifest\.json"):
+        fprep.load(plain, state, model)
+    assert not marker.exists()
+
+
+def test_consistent_but_crafted_files_are_still_never_executed(
+    saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """An attacker who also rewrites the manifest's hashes: tensor bytes are read as raw
+    numbers, never unpickled, so the worst outcome is wrong weights."""
+    marker = tmp_path / "marker"
+    directory = saved["dir"]
+    data = directory / "__0_0.distcp"
+    size = data.stat().st_size
+    payload = torch_payload(marker)
+    data.write_bytes((payload * (size // len(payload) + 1))[:size])
+    rehash(directory, "__0_0.distcp")
+    state, model, *_ = W.prepared("none", seed=1)
+    fprep.load(directory, state, model)  # garbage weights, no code
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["storage"][0].update(file="../../outside.distcp"), "names a file"),
+        (lambda m: m["storage"][0].update(offset=10**9), "lies outside"),
+        (lambda m: m["storage"].pop(0), "is not stored anywhere"),
+        (lambda m: m["storage"][0].update(length=1), "bytes; its shape and dtype make"),
+        (lambda m: m["tensors"]["model/head.weight"].update(dtype="object"), "unknown dtype"),
+        (
+            lambda m: m["tensors"]["model/head.weight"]["chunks"].append(
+                {"offsets": [0, 0], "sizes": [1, 8]}
+            ),
+            "overlap",
+        ),
+        (lambda m: m["tensors"]["model/head.weight"].update(size=[4, 8]), "cover"),
+        (lambda m: m.update(format="torch"), "format is not"),
+    ],
+)
+def test_crafted_metadata_with_a_matching_hash_is_refused(
+    saved: dict[str, Any], edit: Any, message: str
+) -> None:
+    directory = saved["dir"]
+    meta = json.loads((directory / "metadata.json").read_text())
+    edit(meta)
+    (directory / "metadata.json").write_text(json.dumps(meta))
+    rehash(directory, "metadata.json")
+    state, model, *_ = W.prepared("none", seed=1)
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=message):
+        fprep.load(directory, state, model)
+    assert same_snapshot(snapshot(model), before)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["files"].update({"../x.distcp": {"size": 1, "sha256": "0" * 64}}), "not a"),
+        (lambda m: m.update(version=99), "version 99"),
+        (lambda m: m.update(step=-1), "'step' must be an int"),
+        (lambda m: m.update(extras={"$eval": "print(1)"}), "unknown tag"),
+        (lambda m: m["ranks"][0].update(rng={"torch": "00"}), "RNG state is not valid"),
+        (
+            lambda m: m["optimizers"][0]["state_dict"].update(
+                state={"$tensor": "model/emb.weight"}
+            ),
+            "refers to",
+        ),
+        (lambda m: m.pop("files"), "missing fields"),
+    ],
+)
+def test_crafted_manifest_is_refused(saved: dict[str, Any], edit: Any, message: str) -> None:
+    rewrite_manifest(saved["dir"], edit)
+    state, model, opt, *_ = W.prepared("none", seed=1)
+    before = snapshot(model, opt)
+    with pytest.raises(CheckpointError, match=message):
+        fprep.load(saved["dir"], state, model, optimizers=(opt,))
+    assert same_snapshot(snapshot(model, opt), before)
+
+
+def test_duplicate_json_keys_and_nan_are_refused(saved: dict[str, Any]) -> None:
+    path = saved["dir"] / "manifest.json"
+    text = path.read_text()
+    path.write_text(text[:-1] + ',"step": 5}')
+    state, model, *_ = W.prepared("none", seed=1)
+    with pytest.raises(CheckpointError, match="duplicate key 'step'"):
+        fprep.load(saved["dir"], state, model)
+    path.write_text(text.replace('"step":3', '"step":NaN'))
+    with pytest.raises(CheckpointError, match="non-standard JSON constant NaN"):
+        fprep.load(saved["dir"], state, model)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+def test_missing_and_truncated_files(saved: dict[str, Any]) -> None:
+    directory = saved["dir"]
+    state, model, *_ = W.prepared("none", seed=1)
+    data = directory / "__0_0.distcp"
+    content = data.read_bytes()
+    data.write_bytes(content[:100])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is truncated: 100 bytes on disk"):
+        fprep.load(directory, state, model)
+    data.unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is missing"):
+        fprep.load(directory, state, model)
+    data.write_bytes(content)
+    (directory / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        fprep.load(directory, state, model)
+
+
+def test_shape_and_dtype_mismatch_name_the_tensor(saved: dict[str, Any]) -> None:
+    wide = W.build(classes=4)
+    s_wide, wide = fprep.prepare(wide, fprep.PrepConfig())
+    before = snapshot(wide)
+    for strict in (True, False):
+        with pytest.raises(
+            CheckpointError,
+            match=r"model 'head.weight': the checkpoint has "
+            r"\(3, 8\) float32, the live one is \(4, 8\) float32",
+        ) as e:
+            fprep.load(saved["root"], s_wide, wide, strict=strict)
+        assert e.value.subject == "head.bias"  # the first of the two, in key order
+        assert "3 tensor(s) differ" in str(e.value)  # head.weight, head.bias, scale
+    assert same_snapshot(snapshot(wide), before)
+    half = W.build().to(torch.float64)
+    s_half, half = fprep.prepare(half, fprep.PrepConfig())
+    with pytest.raises(
+        CheckpointError,
+        match=r"17 tensor\(s\) differ.*model 'blocks.0.down.weight': the checkpoint has "
+        r"\(8, 16\) float32, the live one is \(8, 16\) float64",
+    ):
+        fprep.load(saved["root"], s_half, half)
+
+
+class Bigger(W.Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(3, 3)
+
+
+class Smaller(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        net = W.build()
+        self.emb, self.blocks, self.head, self.odd = net.emb, net.blocks, net.head, net.odd
+
+
+def test_missing_and_unexpected_keys(saved: dict[str, Any]) -> None:
+    model = Bigger()
+    state, model = fprep.prepare(model, fprep.PrepConfig())
+    extra_before = copy.deepcopy(model.extra.state_dict())
+    with pytest.raises(
+        CheckpointError, match=r"missing from the checkpoint: model 'extra\.bias'"
+    ) as e:
+        fprep.load(saved["root"], state, model)
+    assert e.value.subject == "extra.bias"
+    info = fprep.load(saved["root"], state, model, strict=False)
+    assert info.missing_keys == ("model/extra.bias", "model/extra.weight")
+    assert same_snapshot(model.extra.state_dict(), extra_before)  # kept as it was
+    assert torch.equal(model.head.weight, saved["model"].head.weight)  # the rest was loaded
+
+    small = Smaller()
+    state, small = fprep.prepare(small, fprep.PrepConfig())
+    with pytest.raises(
+        CheckpointError, match="in the checkpoint but not in the live objects: model 'scale'"
+    ):
+        fprep.load(saved["root"], state, small)
+    info = fprep.load(saved["root"], state, small, strict=False)
+    assert info.unexpected_keys == ("model/scale",)
+    assert torch.equal(small.head.weight, saved["model"].head.weight)
+
+
+def test_another_models_checkpoint(saved: dict[str, Any]) -> None:
+    other = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    state, other = fprep.prepare(other, fprep.PrepConfig())
+    before = snapshot(other)
+    with pytest.raises(CheckpointError, match="looks like another model's checkpoint"):
+        fprep.load(saved["root"], state, other)
+    assert same_snapshot(snapshot(other), before)
+
+
+def test_optimizer_mismatches(saved: dict[str, Any]) -> None:
+    state, model, opt, *_ = W.prepared("none", seed=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.zeros(2, dtype=torch.long)).sum().backward()
+    sgd.step()
+    sgd.zero_grad()
+    before = snapshot(model, sgd)
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer 0 is a torch.optim.sgd.SGD; the "
+        r"checkpoint's is a torch.optim.adamw.AdamW",
+    ):
+        fprep.load(saved["root"], state, model, optimizers=(sgd,))
+    assert same_snapshot(snapshot(model, sgd), before)
+    # strict=False: the model loads; SGD keeps its own state and hyperparameters
+    info = fprep.load(saved["root"], state, model, optimizers=(sgd,), strict=False)
+    assert "optimizer 0 is a torch.optim.sgd.SGD" in info.notes[0]
+    assert "optimizer/0/state/emb.weight/momentum_buffer" in info.missing_keys
+    assert "optimizer/0/state/emb.weight/exp_avg" in info.unexpected_keys
+    assert same_snapshot(copy.deepcopy(sgd.state_dict()), before[1])
+    assert torch.equal(model.head.weight, saved["model"].head.weight)
+    # the same optimizer over other parameters
+    partial = torch.optim.AdamW([model.head.weight], lr=0.1)
+    with pytest.raises(CheckpointError, match="param groups hold different parameters"):
+        fprep.load(saved["root"], state, model, optimizers=(partial,))
+    assert len(partial.state) == 0  # the state DCP created to compare with was removed again
+    # more optimizers than saved
+    with pytest.raises(CheckpointError, match="2 optimizer"):
+        fprep.load(saved["root"], state, model, optimizers=(opt, partial))
+    info = fprep.load(saved["root"], state, model, optimizers=(opt, partial), strict=False)
+    assert any("2 optimizer" in n for n in info.notes)
+
+
+def test_objects_without_saved_state(tmp_path: Path) -> None:
+    state, model, opt, sched, loader = W.prepared("none")
+    fprep.save(tmp_path, state, model)
+    with pytest.raises(CheckpointError, match="no scheduler state"):
+        fprep.load(tmp_path, state, model, scheduler=sched)
+    with pytest.raises(CheckpointError, match="no data-loader position"):
+        fprep.load(tmp_path, state, model, loader=loader)
+    with pytest.raises(CheckpointError, match=r"1 optimizer.* the checkpoint has 0"):
+        fprep.load(tmp_path, state, model, optimizers=(opt,))
+    info = fprep.load(tmp_path, state, model, scheduler=sched, loader=loader, strict=False)
+    assert len(info.notes) == 2
+
+
+# -- export --------------------------------------------------------------------------------------
+def test_export_full_is_plain_safetensors(tmp_path: Path) -> None:
+    from fprep.testing.models import tiny_gpt
+
+    gpt = tiny_gpt(seed=1)
+    assert gpt.lm_head.weight is gpt.wte.weight  # tied
+    state, gpt = fprep.prepare(gpt, fprep.PrepConfig())
+    state, model, *_ = W.prepared("none")
+    model.scale = model.scale.to(torch.bfloat16)  # cast after prepare: exported as float32
+    fprep.export_full(tmp_path / "net.safetensors", state, model)
+    got = load_file(tmp_path / "net.safetensors")
+    assert got["scale"].dtype == torch.float32
+    W.build(seed=0).load_state_dict(got)
+    s_gpt, gpt2 = fprep.prepare(tiny_gpt(seed=1), fprep.PrepConfig())
+    fprep.export_full(tmp_path / "gpt.safetensors", s_gpt, gpt2)
+    tensors = load_file(tmp_path / "gpt.safetensors")
+    assert {"wte.weight", "lm_head.weight"} <= set(tensors)
+    fresh = tiny_gpt(seed=2)
+    fresh.load_state_dict(tensors)
+    for name, value in gpt2.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    with pytest.raises(CheckpointError, match="safetensors cannot store"):
+        bad = nn.Linear(2, 2)
+        bad.register_buffer("z", torch.zeros(2, dtype=torch.complex128))
+        s_bad, bad = fprep.prepare(bad, fprep.PrepConfig())
+        fprep.export_full(tmp_path / "bad.safetensors", s_bad, bad)
+    assert not (tmp_path / "bad.safetensors").exists()
