@@ -7,6 +7,7 @@ generator's ``set_state``, so a crafted value is a ``CheckpointError``, never ex
 
 from __future__ import annotations
 
+import importlib
 import random
 import sys
 from typing import Any
@@ -130,8 +131,8 @@ def restore(states: dict[str, Any], device_type: str) -> None:
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     np_state = states.get("numpy")
     if np_state is not None:
-        try:
-            import numpy
+        try:  # dynamic: NumPy is optional, and typed Any whether or not it is installed
+            numpy: Any = importlib.import_module("numpy")
         except ImportError:  # saved by a program that used NumPy; this one has none
             return
         numpy.random.set_state(
