@@ -437,7 +437,7 @@ def test_fp16_scales_the_loss() -> None:
     # compare the overall size: the gradients are the plain ones times the scale.
     scaled = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     unscaled = torch.cat([plain[n].flatten() for n, _ in model.named_parameters()])
-    assert scaled.norm() / unscaled.norm() == pytest.approx(scale, rel=0.01)
+    assert float(scaled.norm() / unscaled.norm()) == pytest.approx(scale, rel=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.wte.weight.detach().clone()
     scaler.step(opt)
