@@ -198,6 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PrepError as e:
         print(f"fprep: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `fprep plan ... | head`: the reader left; not an error
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return code
 
 

@@ -52,7 +52,12 @@ def _load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
             f"cannot read the Accelerate config {str(path)!r}: {e.strerror}.", subject=str(path)
         ) from None
     if path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"the Accelerate config {str(path)!r} is not valid JSON: {e}.", subject=str(path)
+            ) from None
     else:
         try:
             import yaml
@@ -62,7 +67,14 @@ def _load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
                 subject=str(path),
                 hint="pip install pyyaml, or pass the config as JSON or a dict.",
             ) from None
-        data = yaml.safe_load(text)  # safe_load: a config file never runs code
+        try:
+            data = yaml.safe_load(text)  # safe_load: a config file never runs code
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"the Accelerate config {str(path)!r} is not valid YAML (or uses tags that "
+                f"would run code): {e}",
+                subject=str(path),
+            ) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"the Accelerate config {str(path)!r} is not a mapping.", subject=str(path)
@@ -146,7 +158,14 @@ def _fsdp_fields(fsdp: Mapping[str, Any]) -> dict[str, Any]:
             )
         out["wrap"] = names
     elif policy == "SIZE_BASED_WRAP":
-        out["wrap"] = int(fsdp.get("fsdp_min_num_params", 100_000_000))
+        raw = fsdp.get("fsdp_min_num_params", 100_000_000)
+        try:
+            out["wrap"] = int(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"fsdp_min_num_params must be an integer; got {raw!r}.",
+                subject="fsdp_min_num_params",
+            ) from None
     if _flag(fsdp.get("fsdp_offload_params", False)):
         out["offload"] = "cpu"
     if "STATE_DICT" in str(fsdp.get("fsdp_state_dict_type", "")).upper():

@@ -125,6 +125,22 @@ def test_overrides_and_missing_files(tmp_path: Path) -> None:
         PrepConfig.from_accelerate(tmp_path / "nope.yaml")
     bad = tmp_path / "evil.yaml"
     bad.write_text("!!python/object/apply:os.system ['touch pwned']\n")
-    with pytest.raises(Exception) as info:  # safe_load refuses tags that would run code
+    with pytest.raises(ConfigError) as info:  # safe_load refuses tags that would run code
         PrepConfig.from_accelerate(bad)
     assert not (tmp_path / "pwned").exists() and "python/object" in str(info.value)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ConfigError) as info:
+        PrepConfig.from_accelerate(broken)
+    assert info.value.subject == str(broken)
+    with pytest.raises(ConfigError) as info:
+        PrepConfig.from_accelerate(
+            {
+                "distributed_type": "FSDP",
+                "fsdp_config": {
+                    "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                    "fsdp_min_num_params": "lots",
+                },
+            }
+        )
+    assert info.value.subject == "fsdp_min_num_params"
