@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from fprep.errors import ConfigError
 from fprep.state import PrepState, need
@@ -339,7 +339,6 @@ def prepare_data_loader(
 
 
 __all__ = [
-    "Dataset",
     "LoaderSpec",
     "PreparedDataLoader",
     "ShardedIterable",

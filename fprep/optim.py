@@ -10,6 +10,7 @@ parameter it belongs to.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,25 +54,47 @@ def canonical_names_weak(model: nn.Module) -> WeakIdKeyDictionary:
 
 
 def optimizer_fqns(
-    model: nn.Module, optimizer: torch.optim.Optimizer, index: int = 0
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    index: int = 0,
+    *,
+    before: Mapping[Any, str] | None = None,
 ) -> OptimizerFQNs:
-    """Each param group's parameters by canonical FQN; a foreign parameter is a PrepareError."""
+    """Each param group's parameters by canonical FQN; a foreign parameter is a PrepareError.
+
+    ``before`` (after ``prepare``: the parameters the model had before it, by name) also
+    accepts parameters that sharding or materialization replaced.
+    """
     names = canonical_names(model)
     groups: list[tuple[str, ...]] = []
     for g, group in enumerate(optimizer.param_groups):
         fqns: list[str] = []
         for i, p in enumerate(group["params"]):
             name = names.get(id(p))
+            if name is None and before is not None:
+                name = before.get(p)
             if name is None:
-                raise PrepareError(
-                    f"optimizer {index} (param group {g}, position {i}) holds a parameter of "
-                    f"shape {tuple(p.shape)} that is not a parameter of the model.",
-                    subject=f"optimizer[{index}].param_groups[{g}].params[{i}]",
-                    hint="Build the optimizer from model.parameters() of the model you prepare.",
-                )
+                raise _foreign(p, index, g, i, after_prepare=before is not None)
             fqns.append(name)
         groups.append(tuple(fqns))
     return tuple(groups)
+
+
+def _foreign(p: torch.Tensor, index: int, g: int, i: int, *, after_prepare: bool) -> PrepareError:
+    if after_prepare:
+        return PrepareError(
+            f"optimizer param group {g}, position {i} holds a parameter of shape "
+            f"{tuple(p.shape)} that is neither the prepared model's nor one it had before "
+            "prepare.",
+            subject=f"param_groups[{g}].params[{i}]",
+            hint="Build the optimizer from the model you prepared.",
+        )
+    return PrepareError(
+        f"optimizer {index} (param group {g}, position {i}) holds a parameter of "
+        f"shape {tuple(p.shape)} that is not a parameter of the model.",
+        subject=f"optimizer[{index}].param_groups[{g}].params[{i}]",
+        hint="Build the optimizer from model.parameters() of the model you prepare.",
+    )
 
 
 def _shard_like(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:

@@ -48,8 +48,8 @@ from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
-from fprep.errors import ConfigError, PrepareError
-from fprep.optim import canonical_names, canonical_names_weak, optimizer_fqns, rebind_optimizer
+from fprep.errors import ConfigError
+from fprep.optim import canonical_names_weak, optimizer_fqns, rebind_optimizer
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
@@ -216,24 +216,9 @@ def prepare_optimizer(
     before ``prepare`` (replaced by sharding or materialization) by the names recorded then.
     Hyperparameters and state are kept; a parameter that matches neither is a PrepareError.
     """
-    current = canonical_names(model)
     before = handles_of(state).param_fqns_before  # parameter (held weakly) -> canonical FQN
-    fqns: list[tuple[str, ...]] = []
-    for g, group in enumerate(optimizer.param_groups):
-        names: list[str] = []
-        for i, p in enumerate(group["params"]):
-            name = current.get(id(p)) or (before.get(p) if before is not None else None)
-            if name is None:
-                raise PrepareError(
-                    f"optimizer param group {g}, position {i} holds a parameter of shape "
-                    f"{tuple(p.shape)} that is neither the prepared model's nor one it had "
-                    "before prepare.",
-                    subject=f"param_groups[{g}].params[{i}]",
-                    hint="Build the optimizer from the model you prepared.",
-                )
-            names.append(name)
-        fqns.append(tuple(names))
-    rebind_optimizer(model, optimizer, tuple(fqns))
+    fqns = optimizer_fqns(model, optimizer, before=before if before is not None else {})
+    rebind_optimizer(model, optimizer, fqns)
     return optimizer
 
 

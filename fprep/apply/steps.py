@@ -40,7 +40,7 @@ class Handles:
     owns_process_group: bool = False
     grad_scaler: Any = None  # torch.amp.GradScaler for fp16
     rank0_full_state: Any = None  # rank 0's full state dict, held from shard to sync
-    param_fqns_before: Any = None  # id(parameter before prepare) -> its canonical FQN
+    param_fqns_before: Any = None  # parameter before prepare (held weakly) -> canonical FQN
 
 
 def handles_of(state: PrepState) -> Handles:
