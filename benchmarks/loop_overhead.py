@@ -26,26 +26,22 @@ the same difference over five consecutive chunks of the rounds.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from _timing import CHUNKS, Loop, Times, interleaved, overhead_us
 from torch import nn
 
 import fprep
 
 TARGET_US = 3.0
-CHUNKS = 5
 BATCH = 16
 CONTROL = "torch again"
 
-Loop = Callable[[], None]  # one training step
-Times = dict[str, list[float]]  # variant -> seconds of each round's step
 
 X = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(0))
 
@@ -154,46 +150,6 @@ def variants() -> dict[str, Loop]:
 
 
 # -- measurement ---------------------------------------------------------------------------------
-def interleaved(loops: dict[str, Loop], rounds: int, warmup: int, seed: int = 0) -> Times:
-    """Seconds of each round's step of every loop; one step each per round, in random order."""
-    names = list(loops)
-    for name in names:
-        for _ in range(warmup):
-            loops[name]()
-    out: Times = {name: [] for name in names}
-    rng = random.Random(seed)
-    clock = time.perf_counter_ns
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            order = names[:]
-            rng.shuffle(order)
-            for name in order:
-                loop = loops[name]
-                start = clock()
-                loop()
-                out[name].append((clock() - start) * 1e-9)
-    finally:
-        gc.enable()
-    return out
-
-
-def _chunks(values: Sequence[float]) -> list[Sequence[float]]:
-    size = max(1, len(values) // CHUNKS)
-    return [values[i * size : (i + 1) * size] for i in range(min(CHUNKS, len(values)))]
-
-
-def overhead_us(times: Times, name: str, base: str = "torch") -> tuple[float, float, float]:
-    """median(name) - median(base) in microseconds, and its min and max over the chunks."""
-    whole = (statistics.median(times[name]) - statistics.median(times[base])) * 1e6
-    parts = [
-        (statistics.median(a) - statistics.median(b)) * 1e6
-        for a, b in zip(_chunks(times[name]), _chunks(times[base]), strict=True)
-    ]
-    return whole, min(parts), max(parts)
-
-
 def print_table(times: Times, rounds: int) -> None:
     print(
         f"\nnn.Linear(64, 64) + SGD, batch {BATCH}, one process, fp32: median step time over "

@@ -30,9 +30,7 @@ the garbage collector is off while measuring; 2-rank steps start after a barrier
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _timing import Loop, Times, interleaved, overhead_us, ratio
 from torch import nn
 
 import fprep
@@ -51,68 +50,10 @@ GPT_CONFIG = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd
 GPT_BATCH = 8
 GPT_TARGET = 1.01
 MICRO_TARGET_US = 3.0
-CHUNKS = 5
 CONTROL = "torch again"
-
-Loop = Callable[[], None]  # one training step
-Times = dict[str, list[float]]  # variant -> seconds of each round's step
 
 
 # -- measurement --------------------------------------------------------------------------------
-def interleaved(loops: dict[str, Loop], rounds: int, warmup: int, seed: int = 0) -> Times:
-    """Seconds of each round's step of every loop; one step each per round, in random order."""
-    names = list(loops)
-    for name in names:
-        for _ in range(warmup):
-            loops[name]()
-    out: Times = {name: [] for name in names}
-    rng = random.Random(seed)  # the same order on every rank
-    distributed = dist.is_initialized()
-    clock = time.perf_counter_ns
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            order = names[:]
-            rng.shuffle(order)
-            for name in order:
-                loop = loops[name]
-                if distributed:
-                    dist.barrier()
-                start = clock()
-                loop()
-                out[name].append((clock() - start) * 1e-9)
-    finally:
-        gc.enable()
-    return out
-
-
-def _chunks(values: Sequence[float]) -> list[Sequence[float]]:
-    size = max(1, len(values) // CHUNKS)
-    return [values[i * size : (i + 1) * size] for i in range(min(CHUNKS, len(values)))]
-
-
-def ratio(times: Times, name: str, base: str = "torch") -> tuple[float, float, float]:
-    """median(name) / median(base), and its min and max over the chunks."""
-    whole = statistics.median(times[name]) / statistics.median(times[base])
-    parts = [
-        statistics.median(a) / statistics.median(b)
-        for a, b in zip(_chunks(times[name]), _chunks(times[base]), strict=True)
-    ]
-    return whole, min(parts), max(parts)
-
-
-def overhead_us(times: Times, name: str, base: str = "torch") -> tuple[float, float, float]:
-    """median(name) - median(base) in microseconds, and its min and max over the chunks."""
-    whole = (statistics.median(times[name]) - statistics.median(times[base])) * 1e6
-    parts = [
-        (statistics.median(a) - statistics.median(b)) * 1e6
-        for a, b in zip(_chunks(times[name]), _chunks(times[base]), strict=True)
-    ]
-    return whole, min(parts), max(parts)
-
-
-# -- the GPT loops ------------------------------------------------------------------------------
 def _gpt_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     batches = list(
         synthetic_batches(
