@@ -10,7 +10,7 @@
   the prepared module); a ``torch.compile``-d ``OptimizedModule`` stays one, over the copy.
 * Otherwise the model is returned as it is.
 
-fprep's autocast hooks are kept by default (``keep_autocast=True``), so evaluation computes in
+fprep's autocast wrapper is kept by default (``keep_autocast=True``), so evaluation computes in
 the same precision as training; pass ``False`` for a plain float32 model.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fprep.apply.precision import AutocastEnter, AutocastExit
+from fprep.apply.precision import AutocastForward
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
 
@@ -68,24 +68,13 @@ def _hook_owner(hook: Any) -> str:
 
 
 def _copy_hooks(
-    hooks: Any, original: nn.Module, copy: nn.Module, keep_autocast: bool, autocast: dict[int, Any]
+    hooks: Any, original: nn.Module, copy: nn.Module
 ) -> collections.OrderedDict[int, Any]:
     kept: collections.OrderedDict[int, Any] = collections.OrderedDict()
     for key, hook in hooks.items():
-        if isinstance(hook, AutocastEnter):
-            if keep_autocast:  # a fresh region stack: the copy never shares the original's
-                kept[key] = autocast.setdefault(
-                    id(hook), AutocastEnter(hook.device_type, hook.dtype)
-                )
-        elif isinstance(hook, AutocastExit):
-            if keep_autocast:
-                enter = autocast.setdefault(
-                    id(hook.enter), AutocastEnter(hook.enter.device_type, hook.enter.dtype)
-                )
-                kept[key] = AutocastExit(enter)
-        elif _hook_owner(hook).startswith(_DROPPED_HOOK_OWNERS):
+        if _hook_owner(hook).startswith(_DROPPED_HOOK_OWNERS):
             continue
-        elif getattr(hook, "with_module", False) and getattr(hook, "module", lambda: None)() is (
+        if getattr(hook, "with_module", False) and getattr(hook, "module", lambda: None)() is (
             original
         ):
             kept[key] = type(hook)(hook.hook, copy)  # a _WrappedHook bound to the copy
@@ -99,7 +88,6 @@ def _plain_copy(
     full: dict[int, nn.Parameter],
     keep_autocast: bool,
     memo: dict[int, nn.Module],
-    autocast: dict[int, Any],
 ) -> nn.Module:
     if id(module) in memo:  # a submodule registered twice stays one module
         return memo[id(module)]
@@ -116,9 +104,7 @@ def _plain_copy(
     }
     attrs["_buffers"] = dict(module._buffers)
     attrs["_modules"] = {
-        name: (
-            _plain_copy(child, full, keep_autocast, memo, autocast) if child is not None else None
-        )
+        name: (_plain_copy(child, full, keep_autocast, memo) if child is not None else None)
         for name, child in module._modules.items()
     }
     if attrs.get("_compiled_call_impl") is not None:
@@ -128,13 +114,21 @@ def _plain_copy(
     for name in _HOOK_DICTS:
         hooks = getattr(module, name, None)
         if isinstance(hooks, dict):
-            attrs[name] = _copy_hooks(hooks, module, copy, keep_autocast, autocast)
+            attrs[name] = _copy_hooks(hooks, module, copy)
     # ids of forward hooks that run even when forward raises: keep those still registered
     always = getattr(module, "_forward_hooks_always_called", {})
     forward_hooks = attrs.get("_forward_hooks", {})
     attrs["_forward_hooks_always_called"] = collections.OrderedDict(
         (k, v) for k, v in always.items() if k in forward_hooks
     )
+    autocast = attrs.get("forward")
+    if isinstance(autocast, AutocastForward):  # it wraps the original: wrap the copy, or drop it
+        if keep_autocast:
+            attrs["forward"] = autocast.rebound(copy)
+        elif autocast.inner is None:
+            del attrs["forward"]
+        else:
+            attrs["forward"] = autocast.rebound(copy).inner
     # Straight into __dict__: a class may redirect attribute writes (torch.compile's
     # OptimizedModule forwards them to the module it wraps, which is the original here).
     copy.__dict__.update(attrs)
@@ -165,4 +159,4 @@ def unwrap(state: PrepState, model: nn.Module, *, keep_autocast: bool = True) ->
                 continue
             data = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             full[id(p)] = nn.Parameter(data.clone(), requires_grad=p.requires_grad)
-    return _plain_copy(inner, full, keep_autocast, {}, {})
+    return _plain_copy(inner, full, keep_autocast, {})

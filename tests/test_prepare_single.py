@@ -303,9 +303,9 @@ def test_preparing_twice_is_refused_and_never_double_wraps(precision: str) -> No
             fprep.prepare(model, again)
         assert info.value.subject == "model"
     assert_unchanged(model, before)
-    pre_hooks = model._forward_pre_hooks.values()
-    autocast_hooks = [h for h in pre_hooks if type(h).__name__ == "AutocastEnter"]
-    assert len(autocast_hooks) == (0 if precision == "no" else 1)
+    wrapper = model.__dict__.get("forward")
+    assert (type(wrapper).__name__ == "AutocastForward") == (precision != "no")
+    assert getattr(wrapper, "inner", None) is None  # wrapped once, not a wrapper of a wrapper
 
 
 # -- connect -------------------------------------------------------------------------------------
@@ -402,6 +402,7 @@ def test_bf16_autocast_survives_save_load_deepcopy_and_exceptions() -> None:
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     for twin in (loaded, copy.deepcopy(model)):
+        assert twin.forward.module is twin  # the copy's wrapper runs the copy, not the original
         with dtype_probe(twin) as twin_seen:
             twin_out = twin(x)
         assert twin_out.dtype == torch.float32
@@ -416,6 +417,25 @@ def test_bf16_autocast_survives_save_load_deepcopy_and_exceptions() -> None:
     with dtype_probe(model) as seen:
         assert torch.equal(model(x), out)  # and the model still autocasts
     assert seen == [torch.bfloat16]
+
+
+def test_autocast_wraps_a_forward_the_instance_already_had() -> None:
+    model = tiny_gpt(seed=SEED)
+    calls: list[torch.dtype] = []
+    plain_forward = model.forward
+
+    def patched(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return plain_forward(x)
+
+    model.forward = patched
+    state, model = fprep.prepare(model, PrepConfig(precision="bf16"))
+    x, _ = first_batch()
+    assert model(x).dtype == torch.float32
+    assert calls == [torch.bfloat16]  # the user's patch ran, inside the autocast region
+    plain = fprep.unwrap(state, model, keep_autocast=False)
+    plain(x)
+    assert calls == [torch.bfloat16, None]  # the patch stays, autocast is gone
 
 
 def test_fp16_scales_the_loss() -> None:
