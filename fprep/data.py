@@ -13,6 +13,10 @@ ranks is the dataset). ``prepare_data_loader`` builds a ``PreparedDataLoader`` â
 * Shuffling is seeded from ``seed + epoch``; the epoch advances by itself at each new pass.
 * Resume: ``load_state_dict({"epoch": e, "batches": k})`` makes the next pass start at batch
   ``k`` of epoch ``e`` without reading the skipped samples (for map-style datasets).
+* The loader has its own generator, reseeded from ``(seed, epoch, rank)`` at each pass: starting
+  a pass never draws from the global RNG (torch's DataLoader otherwise takes the workers' base
+  seed from it, so a training loop's dropout would depend on how many passes began), and the
+  workers' seeds depend only on ``(seed, epoch, rank)``, so a resumed pass uses the same ones.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed + epoch)
     order: list[int] = torch.randperm(n, generator=gen).tolist()
     return order
+
+
+def pass_seed(spec: LoaderSpec, epoch: int) -> int:
+    """The seed of the loader's own generator for one pass (workers' base seed comes from it)."""
+    return (spec.seed * 1_000_003 + epoch) * 65_537 + spec.rank
 
 
 def rank_indices(n: int, spec: LoaderSpec, epoch: int = 0) -> list[int]:
@@ -180,6 +189,7 @@ class PreparedDataLoader(DataLoader[Any]):
         fprep_dataset_len: int | None,
         **kwargs: Any,
     ) -> None:
+        kwargs["generator"] = torch.Generator()  # never the global RNG (see module docs)
         super().__init__(*args, **kwargs)
         self.spec = fprep_spec
         self.device = fprep_device
@@ -198,6 +208,8 @@ class PreparedDataLoader(DataLoader[Any]):
             sampler.skip_batches = self._resume_at
         self.batches = self._resume_at
         self._resume_at = 0
+        assert self.generator is not None
+        self.generator.manual_seed(pass_seed(self.spec, self.epoch))
         non_blocking = bool(self.pin_memory)
         for batch in super().__iter__():
             self.batches += 1

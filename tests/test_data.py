@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import fprep
 from fprep.data import (
@@ -156,6 +156,37 @@ def test_workers_and_device_placement() -> None:
     assert set(values) == set(rank_indices(9, ld.spec, 0))
     batch = next(iter(ld))
     assert batch[0].device == torch.device("cpu")
+
+
+class WorkerSeeds(Dataset[int]):
+    """Each item is the torch seed of the worker that loaded it."""
+
+    def __len__(self) -> int:
+        return 16  # 4 batches of 2 per rank at world 2
+
+    def __getitem__(self, i: int) -> int:
+        return torch.initial_seed()
+
+
+def test_a_pass_never_draws_from_the_global_rng_and_worker_seeds_depend_on_the_epoch() -> None:
+    state = _cpu_state(2, 1, "ddp")
+    ld = prepare_data_loader(state, DataLoader(WorkerSeeds(), batch_size=2, num_workers=2))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    first = [int(v) for batch in ld for v in batch]
+    second = [int(v) for batch in ld for v in batch]
+    assert torch.equal(torch.rand(3), expected)  # two passes with workers: global RNG untouched
+    assert len(set(first)) == 2 and set(first).isdisjoint(second)  # per worker, per epoch
+
+    again = prepare_data_loader(state, DataLoader(WorkerSeeds(), batch_size=2, num_workers=2))
+    again.load_state_dict({"epoch": 1, "batches": 1})  # resume epoch 1 after its first batch
+    resumed = [int(v) for batch in again for v in batch]
+    assert len(resumed) == 6 and set(resumed) == set(second)  # the same workers' seeds
+    other_rank = prepare_data_loader(
+        _cpu_state(2, 0, "ddp"), DataLoader(WorkerSeeds(), batch_size=2, num_workers=2)
+    )
+    assert set(first).isdisjoint(int(v) for batch in other_rank for v in batch)
 
 
 class Stream(IterableDataset[int]):
