@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,7 +33,9 @@ from fprep.state import PrepState, need
 
 
 def optimizer_step(
-    state: PrepState, optimizer: torch.optim.Optimizer, scheduler: Any = None
+    state: PrepState,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    scheduler: Any = None,
 ) -> bool:
     """Step the optimizer (through the fp16 grad scaler when there is one), then the scheduler
     — but only if the optimizer really stepped. Returns whether it did. On Gaudi in lazy mode
@@ -40,21 +43,41 @@ def optimizer_step(
 
     An fp16 step whose gradients overflowed is skipped by the scaler (and the scale lowered);
     the scheduler then stays where it is, so the learning-rate curve follows real steps.
+    Several optimizers over one backward (say, one per parameter group kind) go in one call —
+    ``optimizer_step(state, [opt_a, opt_b], [sched_a, sched_b])`` — so that fp16's scaler
+    unscales all of them with the scale the loss was scaled by, then updates once.
     """
     handles = handles_of(state)
+    optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     scaler = handles.grad_scaler
     if scaler is None:
-        optimizer.step()
+        for opt in optimizers:
+            opt.step()
         stepped = True
     else:
+        use = handles.scaler_use
+        if use is not None and use.updated_since_backward:
+            raise PrepareError(
+                "optimizer_step ran again since the last fprep.backward: with fp16 the loss "
+                "scale has changed since the gradients were scaled, so they would be unscaled "
+                "by the wrong factor.",
+                subject="optimizer_step",
+                hint="Step every optimizer of a backward in one call: "
+                "fprep.optimizer_step(state, [opt_a, opt_b], [sched_a, sched_b]).",
+            )
         before = scaler.get_scale()
-        scaler.step(optimizer)
+        for opt in optimizers:
+            scaler.step(opt)
         scaler.update()
+        if use is not None:
+            use.updated_since_backward = True
         stepped = bool(scaler.get_scale() >= before)  # an overflow always lowers the scale
     if handles.device_handle is not None:
         handles.device_handle.step_mark()  # a no-op except on Gaudi in lazy mode
     if stepped and scheduler is not None:
-        scheduler.step()
+        schedulers = scheduler if isinstance(scheduler, list | tuple) else (scheduler,)
+        for sched in schedulers:
+            sched.step()
     return stepped
 
 

@@ -228,6 +228,8 @@ def backward(state: PrepState, model: nn.Module, loss: Any) -> None:
     handles = handles_of(state)
     if handles.grad_scaler is not None:
         handles.grad_scaler.scale(loss).backward()
+        if handles.scaler_use is not None:
+            handles.scaler_use.updated_since_backward = False
     else:
         loss.backward()
     runtime = state.runtime

@@ -309,6 +309,40 @@ def test_an_fp16_overflow_skips_the_step_and_the_scheduler(how: str) -> None:
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
+def test_fp16_with_two_optimizers_unscales_both_by_the_scale_of_the_loss() -> None:
+    """One backward, two optimizers: stepped in one call, both see the true gradients even when
+    the scale changes at the update; stepped one at a time, the second call is refused."""
+    state, model = fprep.prepare(tiny_gpt(seed=SEED), PrepConfig(precision="fp16"))
+    assert isinstance(state.handles, fprep.Handles)
+    scaler = state.handles.grad_scaler
+    scaler.set_growth_factor(4.0)
+    scaler._growth_interval = 1  # the scale grows at every update: a stale scale would show
+    params = list(model.parameters())
+    opt_a = torch.optim.SGD(params[:3], lr=0.1)
+    opt_b = torch.optim.SGD(params[3:], lr=0.1)
+    sched_a, sched_b = scheduler(opt_a), scheduler(opt_b)
+    x, y = batch()
+    before = params_of(model)
+    scale = scaler.get_scale()
+    fprep.backward(state, model, lm_loss(model(x), y))
+    grads = {n: p.grad.detach() / scale for n, p in model.named_parameters()}
+    assert fprep.optimizer_step(state, [opt_a, opt_b], [sched_a, sched_b]) is True
+    assert scaler.get_scale() == scale * 4  # updated once, not once per optimizer
+    assert sched_a.last_epoch == sched_b.last_epoch == 1
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name] - 0.1 * grads[name], msg=name)
+
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    fprep.backward(state, model, lm_loss(model(x), y))
+    assert fprep.optimizer_step(state, opt_a) is True
+    stepped_b = params_of(model)
+    with pytest.raises(fprep.PrepareError) as info:
+        fprep.optimizer_step(state, opt_b)
+    assert info.value.subject == "optimizer_step" and "one call" in str(info.value.hint)
+    assert all(torch.equal(stepped_b[n], p) for n, p in model.named_parameters())  # untouched
+
+
 # -- accumulate ----------------------------------------------------------------------------------
 def test_accumulate_in_one_process_equals_the_big_batch() -> None:
     micro = 4

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fprep.apply.steps import handles_of, step, with_handles
+from fprep.apply.steps import ScalerUse, handles_of, step, with_handles
 from fprep.errors import PrepareError
 from fprep.state import PrepState, need
 
@@ -122,5 +122,5 @@ def precision(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]
                 subject="precision",
                 hint="Use precision='bf16' on this device.",
             ) from e
-        state = with_handles(state, grad_scaler=scaler)
+        state = with_handles(state, grad_scaler=scaler, scaler_use=ScalerUse())
     return state, model

@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 Step = Callable[[PrepState, nn.Module], tuple[PrepState, nn.Module]]
 
 
+@dataclass
+class ScalerUse:
+    """fp16 bookkeeping shared by ``backward`` and ``optimizer_step`` (one per preparation): the
+    scale changed since the gradients were scaled, so stepping another optimizer now would
+    unscale them by the wrong factor."""
+
+    updated_since_backward: bool = False
+
+
 @dataclass(frozen=True, kw_only=True)
 class Handles:
     """Live objects a prepared model needs; kept out of the plan's equality, hash and repr.
@@ -39,6 +48,7 @@ class Handles:
     process_group: Any = None  # the data-parallel process group
     owns_process_group: bool = False
     grad_scaler: Any = None  # torch.amp.GradScaler for fp16
+    scaler_use: ScalerUse | None = None  # with grad_scaler
     rank0_full_state: Any = None  # rank 0's full state dict, held from shard to sync
     param_fqns_before: Any = None  # parameter before prepare (held weakly) -> canonical FQN
 
