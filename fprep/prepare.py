@@ -16,7 +16,9 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
 12. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
 
 Everything the plan can reject is rejected before step 1, so a failed ``prepare`` leaves the
-model exactly as it was.
+model exactly as it was. A failure the plan cannot foresee (a user's ``reset_parameters``
+raising, a custom step failing, out of memory) rolls the model's structure back to what it was
+before step 1 (see ``fprep.apply.rollback``) and re-raises.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from fprep.apply import (
     sync_module_states,
 )
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
+from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
@@ -200,7 +203,13 @@ def prepare(
         for obj, flag in zip(objects, flags, strict=True)
     ]
     before = canonical_names_weak(model)
-    state, prepared = run(state, model)
+    undo = Rollback.of(model)
+    try:
+        state, prepared = run(state, model)
+    except BaseException:
+        undo.restore()  # a step failed after others changed the model: put it back
+        raise
+    del undo
     state = with_handles(state, param_fqns_before=before)
     for i, (opt, fqns) in enumerate(recorded):
         rebind_optimizer(prepared, opt, fqns, i)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -33,10 +32,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fprep
 from fprep.state import PrepState, ShardSpec
+from fprep.testing.distributed import fake_world
 from fprep.testing.models import (
     GPTBlock,
     LlamaBlock,
@@ -108,15 +107,6 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@contextmanager
-def fake_world(world: int, rank: int) -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -1,4 +1,5 @@
-"""Run a function on N local ranks (gloo, CPU) and collect each rank's result.
+"""Run a function on N local ranks (gloo, CPU) and collect each rank's result; or pretend to be
+one rank of any world size in this process (``fake_world``).
 
 For tests: every rank is a fresh spawned process with the torchrun variables set, so
 ``fprep.prepare`` finds its launcher exactly as under ``torchrun``. A rank that raises makes the
@@ -17,7 +18,8 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -127,3 +129,21 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
     return [out[r] for r in range(world_size)]
+
+
+@contextmanager
+def fake_world(world: int, rank: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world`` on torch's fake process group, for the block.
+
+    Its collectives move no data, so ``fully_shard``, DDP and ``fprep.prepare`` run in one
+    process for any world size: cheap plan-versus-reality and rollback tests. The default
+    process group is destroyed on exit.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,151 @@
+"""A failure after the first effect rolls the model back (fprep.apply.rollback).
+
+The plan rejects bad input before any effect (test_prepare_single's transactional tests); these
+failures are the ones it cannot foresee: a custom step raising after the default ones changed the
+model, a user's initializer raising halfway through materialize after FSDP2 sharded the model.
+After each, the model is exactly as before (same objects, classes, values, hooks, attributes)
+and can be prepared again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_prepare_single import assert_unchanged, first_batch, snapshot
+from torch import nn
+
+import fprep
+from fprep import PrepConfig, Topology
+from fprep.apply.rollback import Rollback
+from fprep.testing.distributed import fake_world
+from fprep.testing.models import GPT, GPTBlock, GPTConfig, lm_loss, tiny_gpt
+
+SEED = 5
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@fprep.step("boom")
+def boom(state: fprep.PrepState, model: nn.Module) -> tuple[fprep.PrepState, nn.Module]:
+    raise Boom("a custom step failed")
+
+
+def steps_failing_before(name: str) -> list[fprep.Step]:
+    steps = list(fprep.default_steps())
+    names = [getattr(s, "step_name", getattr(s, "__name__", "")) for s in steps]
+    at = next(i for i, s in enumerate(names) if name in s)
+    return [*steps[:at], boom, *steps[at:]]
+
+
+def structure(model: nn.Module) -> list[object]:
+    """What snapshot() records except values (meta tensors have none): objects, classes,
+    shapes, dtypes, devices, hooks and attribute names."""
+    return [
+        [(n, m, type(m), sorted(vars(m))) for n, m in model.named_modules(remove_duplicate=False)],
+        [
+            (n, p, type(p), p.shape, p.dtype, p.device, p.requires_grad)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ],
+        [(n, b, b.shape, b.dtype) for n, b in model.named_buffers(remove_duplicate=False)],
+        [
+            (n, list(m._forward_pre_hooks.items()), list(m._forward_hooks.items()))
+            for n, m in model.named_modules(remove_duplicate=False)
+        ],
+    ]
+
+
+@pytest.mark.parametrize("compile_mode", ["none", "regional"])
+def test_a_step_failing_after_others_rolls_the_model_back(compile_mode: str) -> None:
+    model = tiny_gpt(seed=SEED)
+    cfg = PrepConfig(
+        precision="bf16",
+        activation_checkpointing=True,
+        wrap=GPTBlock,
+        compile=compile_mode,
+        compile_backend="eager",
+    )
+    before = snapshot(model)
+    with pytest.raises(Boom):
+        fprep.prepare(model, cfg, steps=steps_failing_before("mark_prepared"))
+    assert_unchanged(model, before)
+    assert "forward" not in vars(model) and not hasattr(model, "_fprep_prepared")
+
+    state, prepared = fprep.prepare(model, cfg)  # and it can be prepared again
+    assert state.applied[-1] == "mark_prepared"
+    x, y = first_batch()
+    lm_loss(prepared(x), y).backward()
+    assert all(p.grad is not None for p in prepared.parameters())
+
+
+def test_a_failing_initializer_after_fsdp_sharding_leaves_the_meta_model_as_it_was() -> None:
+    """FSDP2 swapped classes, replaced parameters with DTensors and registered its state; the
+    initializer of one module then raised: everything is undone, and torch's own record of
+    the sharded modules too (else fully_shard would refuse them next time)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    before = structure(model)
+    calls: list[str] = []
+
+    def init(module: nn.Module) -> None:
+        calls.append(type(module).__name__)
+        if len(calls) == 4:
+            raise ValueError("this initializer fails on its fourth module")
+        for p in module.parameters(recurse=False):
+            nn.init.normal_(p)
+
+    topology = Topology(world_size=2, rank=0)
+    with fake_world(2, 0):
+        with pytest.raises(fprep.PrepareError) as info:
+            fprep.prepare(
+                model,
+                PrepConfig(strategy="fsdp", wrap=GPTBlock, param_init_fn=init),
+                topology=topology,
+            )
+        assert "fourth module" in str(info.value)
+        assert len(calls) == 4
+        assert structure(model) == before
+        assert all(p.is_meta for p in model.parameters())
+        assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+        def good(module: nn.Module) -> None:
+            for p in module.parameters(recurse=False):
+                nn.init.normal_(p)
+
+        state, prepared = fprep.prepare(
+            model, PrepConfig(strategy="fsdp", wrap=GPTBlock, param_init_fn=good), topology=topology
+        )
+        assert state.applied[-1] == "mark_prepared"
+        assert not any(p.is_meta for p in prepared.parameters())
+
+
+def test_a_step_failing_after_ddp_returns_the_unwrapped_model_to_its_state() -> None:
+    model = tiny_gpt(seed=SEED)
+    before = snapshot(model)
+    with fake_world(2, 0), pytest.raises(Boom):
+        fprep.prepare(
+            model,
+            PrepConfig(strategy="ddp", precision="bf16"),
+            topology=Topology(world_size=2, rank=0),
+            steps=steps_failing_before("mark_prepared"),
+        )
+    assert_unchanged(model, before)
+
+
+def test_restore_puts_moved_tensors_back_without_copying_them() -> None:
+    """``Module.to`` swaps ``param.data`` under the same Parameter object; the record holds
+    aliases, not copies, and puts them back."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    weight, data_ptr = model[0].weight, model[0].weight.data_ptr()
+    running_mean = model[1].running_mean
+    undo = Rollback.of(model)
+    model.to(torch.float64)
+    model[0].weight.requires_grad_(False)
+    model.register_forward_hook(lambda *_: None)
+    assert model[0].weight.dtype == torch.float64
+    undo.restore()
+    assert model[0].weight is weight and weight.dtype == torch.float32
+    assert weight.data_ptr() == data_ptr and weight.requires_grad
+    assert model[1].running_mean is running_mean
+    assert not model._forward_hooks
