@@ -7,7 +7,9 @@ consecutive chunks of rounds shows how much the machine's noise moves them.
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import pstats
 import random
 import statistics
 import time
@@ -75,3 +77,20 @@ def overhead_us(times: Times, name: str, base: str = "torch") -> tuple[float, fl
         for a, b in zip(chunks(times[name]), chunks(times[base]), strict=True)
     ]
     return whole, min(parts), max(parts)
+
+
+def python_calls(loop: Loop, steps: int = 10, repeats: int = 3) -> float:
+    """Python function calls per step (cProfile): a count the machine's load cannot move, to
+    tell a real difference in work per step from timing noise. The fewest over ``repeats``
+    runs, so that one-time work (a lazy import, a cache filled) is not counted."""
+    counts = []
+    for _ in range(repeats):
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            for _ in range(steps):
+                loop()
+        finally:
+            profile.disable()
+        counts.append(pstats.Stats(profile).total_calls / steps)  # type: ignore[attr-defined]
+    return float(min(counts))

@@ -23,8 +23,11 @@ the noise floor of the method. Each round runs one step of every variant, in a r
 same on every rank), each step timed on its own; a figure is the median over rounds, so a step
 that the OS interrupts on this shared machine moves it little, and slow drifts hit every variant
 alike. Ratios and overheads are those of the medians; the spread in brackets is the min-max of
-the same figure over 5 consecutive chunks of the rounds. Every process uses one intra-op thread;
-the garbage collector is off while measuring; 2-rank steps start after a barrier (not timed).
+the same figure over 5 consecutive chunks of the rounds. Beside the times, the GPT table counts
+the Python function calls of one step (cProfile, fprep / torch): a figure load cannot move, which
+tells a real difference in per-step work from timing noise on a busy machine. Every process uses
+one intra-op thread; the garbage collector is off while measuring; 2-rank steps start after a
+barrier (not timed).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _timing import Loop, Times, interleaved, overhead_us, ratio
+from _timing import Loop, Times, interleaved, overhead_us, python_calls, ratio
 from torch import nn
 
 import fprep
@@ -115,17 +118,25 @@ def _hand_gpt(precision: str) -> Loop:
     return _gpt_loop(model, _bf16(model) if precision == "bf16" else model, _backward)
 
 
-def single_device_case(precision: str, rounds: int, warmup: int) -> Times:
+Case = tuple[Times, dict[str, float]]  # step times, and Python calls per step
+
+
+def _measured(loops: dict[str, Loop], rounds: int, warmup: int) -> Case:
+    times = interleaved(loops, rounds, warmup)
+    return times, {name: python_calls(loops[name]) for name in ("fprep", "torch")}
+
+
+def single_device_case(precision: str, rounds: int, warmup: int) -> Case:
     cfg = fprep.PrepConfig(precision="bf16" if precision == "bf16" else "no")
     loops = {
         "fprep": _fprep_gpt(cfg),
         "torch": _hand_gpt(precision),
         CONTROL: _hand_gpt(precision),
     }
-    return interleaved(loops, rounds, warmup)
+    return _measured(loops, rounds, warmup)
 
 
-def _distributed_cases(rounds: int, warmup: int) -> dict[str, Times]:
+def _distributed_cases(rounds: int, warmup: int) -> dict[str, Case]:
     """On every rank: DDP and FSDP2, fprep and hand-written, all in one process group."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -147,7 +158,7 @@ def _distributed_cases(rounds: int, warmup: int) -> dict[str, Times]:
     ddp = {"fprep": ddp_fprep, "torch": ddp_hand(), CONTROL: ddp_hand()}
     fsdp_cfg = fprep.PrepConfig(strategy="fsdp", wrap=GPTBlock)
     fsdp = {"fprep": _fprep_gpt(fsdp_cfg), "torch": fsdp_hand(), CONTROL: fsdp_hand()}
-    return {"ddp": interleaved(ddp, rounds, warmup), "fsdp2": interleaved(fsdp, rounds, warmup)}
+    return {"ddp": _measured(ddp, rounds, warmup), "fsdp2": _measured(fsdp, rounds, warmup)}
 
 
 # -- the Linear(64, 64) + SGD loops -------------------------------------------------------------
@@ -209,24 +220,27 @@ def _spread(lo: float, hi: float, fmt: str) -> str:
     return f"[{lo:{fmt}}, {hi:{fmt}}]"
 
 
-def print_gpt_table(cases: dict[str, Times], rounds: int) -> None:
+def print_gpt_table(cases: dict[str, Case], rounds: int) -> None:
     print(
         f"\n1. small GPT ({GPT_CONFIG.num_params / 1e3:.0f}K params, batch {GPT_BATCH} x "
         f"{GPT_CONFIG.block_size} tokens, AdamW): median step time over {rounds} rounds"
     )
     print(
         f"   {'case':<19}{'torch':>9}{'fprep':>9}   {'fprep / torch':<24}"
-        f"{'control / torch':<24}target <= {GPT_TARGET}"
+        f"{'control / torch':<24}{'calls/step fprep / torch':<28}target <= {GPT_TARGET}"
     )
-    for case, times in cases.items():
+    for case, (times, calls) in cases.items():
         r, lo, hi = ratio(times, "fprep")
         c, clo, chi = ratio(times, CONTROL)
         fprep_cell = f"{r:.4f} {_spread(lo, hi, '.3f')}"
+        calls_cell = f"{calls['fprep']:.0f} / {calls['torch']:.0f}"
         control_cell = f"{c:.4f} {_spread(clo, chi, '.3f')}"
         print(
             f"   {case:<19}{statistics.median(times['torch']) * 1e3:6.2f} ms"
             f"{statistics.median(times['fprep']) * 1e3:6.2f} ms   "
-            f"{fprep_cell:<24}{control_cell:<24}{'ok' if r <= GPT_TARGET else 'MISSED'}"
+            f"{fprep_cell:<24}{control_cell:<24}"
+            f"{calls_cell:<28}"
+            f"{'ok' if r <= GPT_TARGET else 'MISSED'}"
         )
 
 
