@@ -1,11 +1,11 @@
 """Time and peak memory of preparing a 201.5M-parameter meta model for FSDP2, against the
 hand-written loop.
 
-Run: ``python benchmarks/prepare_memory.py [--quick] [--rounds N]``.
+Run: ``python benchmarks/prepare_memory.py [--quick] [--rounds N] [--variants fprep,...]``.
 
 The model: 24 blocks of ``LayerNorm(1024)`` + ``Linear(1024, 4096)`` + ``Linear(4096, 1024)``
 (201,498,624 parameters, 806 MB in float32), built on the meta device. Two ranks (gloo, CPU, one
-thread each) prepare it three ways:
+thread each) prepare it four ways:
 
 * ``torch``: the hand-written FSDP2 recipe: ``init_device_mesh``, ``fully_shard`` on every
   block, then on the root, ``model.to_empty(device="cpu")`` and ``reset_parameters()`` on every
@@ -13,8 +13,10 @@ thread each) prepare it three ways:
 * ``fprep``: ``fprep.prepare(model, PrepConfig(strategy="fsdp", wrap=Block))`` with the default
   ``reproducible_init=True`` (each module seeded from its FQN; the same weights for any world
   size);
-* ``fprep fast``: the same with ``reproducible_init=False`` (each rank initializes its shards, as
-  the hand-written loop does).
+* ``fprep full``: ``fprep`` with every rank computing every module in full (what fprep does on
+  backends other than gloo), to show what sharing the computation between ranks saves;
+* ``fprep fast``: ``fprep`` with ``reproducible_init=False`` (each rank initializes its shards, as
+  the hand-written loop does, but seeded per shard rank so the shards differ).
 
 Every variant runs in fresh processes (one per rank, spawned), after the process group exists, the
 meta model is built and every variant has run once on a tiny model (so the one-time imports that
@@ -29,13 +31,15 @@ memory <= 1.05x and time <= 1.05x the hand-written loop's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import os
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,8 +51,10 @@ from fprep.testing.distributed import run_ranks
 
 DIM, HIDDEN, BLOCKS, WORLD = 1024, 4096, 24, 2
 TARGET = 1.05
-VARIANTS = ("torch", "fprep", "fprep fast")
+VARIANTS = ("torch", "fprep", "fprep full", "fprep fast")
 MB = 1e6
+#: The module (``fprep.apply.materialize`` is also the name of the step function).
+materialize: Any = importlib.import_module("fprep.apply.materialize")
 
 
 class Block(nn.Module):
@@ -113,13 +119,26 @@ def hand_written(model: nn.Module) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _sharing(enabled: bool) -> Iterator[None]:
+    """``enabled=False``: every rank computes every module in full, as on non-gloo backends."""
+    saved = materialize.SHARING_BACKENDS
+    if not enabled:
+        materialize.SHARING_BACKENDS = frozenset()
+    try:
+        yield
+    finally:
+        materialize.SHARING_BACKENDS = saved
+
+
 def _prepare(variant: str, model: nn.Module) -> nn.Module:
     if variant == "torch":
         return hand_written(model)
     cfg = fprep.PrepConfig(
-        strategy="fsdp", wrap=Block, seed=0, reproducible_init=variant == "fprep"
+        strategy="fsdp", wrap=Block, seed=0, reproducible_init=variant != "fprep fast"
     )
-    _, prepared = fprep.prepare(model, cfg)
+    with _sharing(variant != "fprep full"):
+        _, prepared = fprep.prepare(model, cfg)
     return prepared
 
 
@@ -152,9 +171,9 @@ def _worker(variant: str) -> dict[str, Any]:
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak_kb = _status_kb("VmHWM")
     end_kb = _status_kb("VmRSS")
-    local = sum(p.to_local().numel() for p in prepared.parameters())  # type: ignore[operator]
+    local = sum(p.to_local().numel() for p in prepared.parameters())  # type: ignore[attr-defined]
     assert all(p.device.type == "cpu" for p in prepared.parameters())
-    first = prepared.blocks[0].up.weight.detach().to_local()  # type: ignore[union-attr, operator, index]
+    first = prepared.blocks[0].up.weight.detach().to_local()  # type: ignore[union-attr, index]
     dist.barrier()
     return {
         "seconds": seconds,
@@ -171,8 +190,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round (a smoke test)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 7)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS)} (torch, the baseline, is added)",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 7)
+    chosen = {v.strip() for v in args.variants.split(",")} | {"torch"}
+    if chosen - set(VARIANTS):
+        parser.error(f"unknown variant(s): {', '.join(sorted(chosen - set(VARIANTS)))}")
+    variants = tuple(v for v in VARIANTS if v in chosen)
 
     n = num_params()
     shard_mb = n / WORLD * 4 / MB
@@ -188,9 +216,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"largest module (Linear) {module_mb:.1f} MB"
     )
     sys.stdout.flush()
-    results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for r in range(rounds):
-        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for variant in order:
             ranks = run_ranks(_worker, WORLD, variant, timeout_s=900.0)
             worst = {
@@ -209,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
 
     def med(variant: str, key: str) -> float:
-        return statistics.median(x[key] for x in results[variant])
+        return float(statistics.median(x[key] for x in results[variant]))
 
     if not all(x["reset"] for xs in results.values() for x in xs):
         print("warning: /proc/self/clear_refs was not writable: peaks include earlier peaks")
@@ -228,9 +256,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     labels = {
         "torch": "torch (hand-written)",
         "fprep": "fprep reproducible_init",
+        "fprep full": "  (every rank computes all)",
         "fprep fast": "fprep reproducible=False",
     }
-    for variant in VARIANTS:
+    for variant in variants:
         t, c, m = (med(variant, k) for k in ("seconds", "cpu", "peak_mb"))
         verdict = ""
         if variant != "torch":
