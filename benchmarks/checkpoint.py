@@ -7,8 +7,8 @@ Run: ``python benchmarks/checkpoint.py [--quick] [--rounds N]``.
    (fsdp, gloo, one thread each). The raw baseline is what a hand-written DCP checkpoint does
    with the same state dict: ``get_state_dict`` + ``dcp.save`` (``FileSystemWriter``, files
    fsynced, as fprep's) and ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``. fprep does
-   more: sha256 of every file, a JSON manifest, an atomic publish (save); parsing and verifying
-   every file it reads, reading into fresh tensors before touching the model (load). Target:
+   more: a BLAKE3 digest of every file, a JSON manifest, an atomic publish (save); parsing and
+   verifying every file it reads before touching the model (load). Target:
    fprep / raw >= 0.95. Within a round the four measurements are interleaved (and which of raw
    and fprep goes first alternates); figures are medians over the rounds.
 2. Peak memory of ``export_full`` at 2 ranks (fsdp) on rank 0: resident memory (RSS) above the
@@ -312,7 +312,7 @@ def report(title: str, result: dict[str, Any]) -> list[float]:
     print(f"  {'operation':<30} {'raw DCP':>12} {'fprep':>12} {'fprep/raw':>10}")
     rows = [
         ("save", "raw save", "fprep save"),
-        ("load (sha256 verified)", "raw load", "fprep load"),
+        ("load (digests verified)", "raw load", "fprep load"),
         ("load (verify_hashes=False)", "raw load", "fprep load unverified"),
     ]
     ratios = []

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,16 +95,9 @@ def prepared(strategy: str, seed: int = SEED, **kw: Any) -> tuple[Any, ...]:
 
 
 def batches(loader: Any) -> Iterator[Any]:
-    """The loader's batches. Creating a DataLoader iterator draws a seed from the global RNG
-    (torch's DataLoader does, whatever the sampler); that draw is kept out of the global RNG
-    here so that a run resumed mid-epoch draws exactly what an uninterrupted one does."""
-    it = iter(loader)
-    with torch.random.fork_rng(devices=[]):
-        first = next(it, None)
-    if first is None:
-        return
-    yield first
-    yield from it
+    """The loader's batches. No RNG guard here: a prepared loader starts a pass without
+    drawing from the global RNG, so a resumed run draws exactly what an uninterrupted one does."""
+    yield from loader
 
 
 class Trainer:
@@ -311,7 +305,31 @@ def two_second(root: str) -> dict[str, Any]:
         lambda: fprep.load(base / "damaged_flipped", state, model, optimizers=(opt,))
     )
     out["fresh_still_fresh"] = len(opt.state) == 0
+    out["progress"] = progress_text(base)
     return {k: v for k, v in out.items() if rank() == 0 or not isinstance(v, bytes)}
+
+
+class Terminal(io.StringIO):
+    """What a terminal looks like to ``fprep.progress.Progress``."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def progress_text(base: Path) -> str:
+    """What a load and a save draw on this rank's stderr when it is a terminal and every piece
+    of work counts as slow."""
+    from fprep.checkpoint import storage
+
+    state, model, opt, _, _ = prepared("fsdp", seed=11)
+    terminal, stderr, after_s = Terminal(), sys.stderr, storage.PROGRESS_AFTER_S
+    sys.stderr, storage.PROGRESS_AFTER_S = terminal, 0.0
+    try:
+        fprep.load(base / "a", state, model, optimizers=(opt,))
+        fprep.save(base / "progress", state, model, optimizers=(opt,))
+    finally:
+        sys.stderr, storage.PROGRESS_AFTER_S = stderr, after_s
+    return terminal.getvalue()
 
 
 def three(root: str) -> dict[str, Any]:

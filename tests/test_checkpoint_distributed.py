@@ -9,7 +9,7 @@ The groups run once per module, in order, sharing one checkpoint root (the ``run
    a single-process checkpoint;
 4. 2 ranks, fsdp, a fresh process group: resume from step N and train M steps; load the
    single-process checkpoint (1 -> 2); load fsdp into ddp; damaged copies fail on every rank and
-   change nothing;
+   change nothing; progress lines on a terminal appear on rank 0 only;
 5. 3 ranks: load the 2-rank checkpoints (2 -> 3).
 
 Every comparison is exact (``torch.equal``): resharding moves bytes, it never recomputes.
@@ -175,3 +175,15 @@ def test_export_full_is_the_full_model(runs: dict[str, Any]) -> None:
         assert sorted(exported) == sorted(full)
         for k, v in full.items():
             assert torch.equal(exported[k], v), k
+
+
+def test_progress_lines_are_drawn_on_rank_0_only(runs: dict[str, Any]) -> None:
+    zero, one = (r["progress"] for r in runs["second"])
+    lines = [line.split("\r")[-1] for line in zero.split("\n") if "fprep: " in line]
+    assert [line.split(" [")[0] for line in lines] == [
+        "fprep: verify",
+        "fprep: load",
+        "fprep: save",
+    ]
+    assert all("[" + "#" * 24 + "]" in line for line in lines), lines
+    assert "fprep: " not in one

@@ -12,33 +12,44 @@
 * bad input: missing or truncated files, shape / dtype mismatches, missing / unexpected keys
   (strict and not), another model, another optimizer: a ``CheckpointError`` naming what differs,
   and the model and optimizer unchanged;
+* digests: BLAKE3 records in new manifests, sha256 records of older checkpoints still verified,
+  unknown algorithms refused;
+* OS errors (permissions, a full disk, a path that is a directory or runs through a file) in
+  ``save`` / ``load`` / ``export_full``: a ``CheckpointError`` naming the path and what to do;
+* progress lines: on a terminal, rank 0, when slow; they reach the total; silent otherwise;
 * ``export_full``: one safetensors file, loadable by plain ``safetensors`` and torch.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
+import io
+import itertools
 import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import _checkpoint_workers as W
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
 import fprep
-from fprep.checkpoint import LoadedInfo, layout, storage, writing
+from fprep.checkpoint import LoadedInfo, files, layout, manifest, storage, writing
 from fprep.checkpoint.storage import SafeWriter
 from fprep.errors import CheckpointError, PrepError
 
@@ -83,7 +94,19 @@ def rehash(directory: Path, name: str) -> None:
     data = (directory / name).read_bytes()
 
     def change(m: dict[str, Any]) -> None:
-        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        m["files"][name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+
+    rewrite_manifest(directory, change)
+
+
+def as_version_1(directory: Path) -> None:
+    """Rewrite a checkpoint's manifest as fprep wrote it before BLAKE3: version 1, sha256."""
+
+    def change(m: dict[str, Any]) -> None:
+        m["version"] = 1
+        for name in m["files"]:
+            data = (directory / name).read_bytes()
+            m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     rewrite_manifest(directory, change)
 
@@ -222,8 +245,29 @@ def test_large_ranks_write_several_files_in_parallel(
     data = bytearray(last.read_bytes())
     data[-1] ^= 0x80
     last.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=f"{names[-1]} does not match its sha256"):
+    with pytest.raises(CheckpointError, match=f"{names[-1]} does not match its blake3 digest"):
         fprep.load(tmp_path, state2, model2, optimizers=(opt2,))
+
+
+def test_saving_starts_each_files_write_out_as_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """So that the disk works while later bytes are written and the final fsync is short."""
+    real = storage.start_writeback
+    monkeypatch.setattr(storage, "_WRITEBACK_EVERY", 1024)
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(storage, "start_writeback", lambda fd, at, n: calls.append((at, n)))
+    state, model, opt, *_ = trained()
+    fprep.save(tmp_path, state, model, optimizers=(opt,))
+    size = (step_dir(tmp_path) / "__0_0.distcp").stat().st_size
+    assert len(calls) > 2 and calls[0][0] == 0 and all(n >= 1024 for _, n in calls)
+    assert all(at + n == nxt for (at, n), (nxt, _) in itertools.pairwise(calls))
+    assert size - 1024 < calls[-1][0] + calls[-1][1] <= size  # all but the tail, fsynced after
+    if sys.platform.startswith("linux"):  # the real call succeeds on a real file
+        with open(tmp_path / "probe", "wb") as f:
+            f.write(bytes(4096))
+            f.flush()
+            assert real(f.fileno(), 0, 4096) == 0
 
 
 # -- layout, latest, rotation --------------------------------------------------------------------
@@ -429,7 +473,7 @@ def test_a_flipped_byte_is_caught_by_the_hash(saved: dict[str, Any], name: str) 
     path.write_bytes(bytes(data))
     state, model, opt, sched, _ = W.prepared("none", seed=1)
     before = snapshot(model, opt)
-    with pytest.raises(CheckpointError, match=rf"{name} does not match its sha256") as e:
+    with pytest.raises(CheckpointError, match=rf"{name} does not match its blake3 digest") as e:
         fprep.load(saved["root"], state, model, optimizers=(opt,), scheduler=sched)
     assert e.value.subject == name
     assert same_snapshot(snapshot(model, opt), before) and len(opt.state) == 0
@@ -509,7 +553,13 @@ def test_crafted_metadata_with_a_matching_hash_is_refused(
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda m: m["files"].update({"../x.distcp": {"size": 1, "sha256": "0" * 64}}), "not a"),
+        (lambda m: m["files"].update({"../x.distcp": {"size": 1, "blake3": "0" * 64}}), "not a"),
+        (
+            lambda m: m["files"]["metadata.json"].update(sha256="0" * 64),
+            "exactly 'size' and one digest",
+        ),
+        (lambda m: m["files"]["metadata.json"].update(blake3="0" * 63), "64 lowercase hex"),
+        (lambda m: m.update(version=True), "version True"),
         (lambda m: m.update(version=99), "version 99"),
         (lambda m: m.update(step=-1), "'step' must be an int"),
         (lambda m: m.update(extras={"$eval": "print(1)"}), "unknown tag"),
@@ -707,3 +757,291 @@ def test_export_full_is_plain_safetensors(tmp_path: Path) -> None:
         s_bad, bad = fprep.prepare(bad, fprep.PrepConfig())
         fprep.export_full(tmp_path / "bad.safetensors", s_bad, bad)
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+# -- digests -------------------------------------------------------------------------------------
+def test_new_checkpoints_record_blake3_digests_of_every_file(saved: dict[str, Any]) -> None:
+    m = json.loads((saved["dir"] / "manifest.json").read_text())
+    assert m["version"] == manifest.VERSION == 2
+    assert sorted(m["files"]) == ["__0_0.distcp", "metadata.json"]
+    for name, record in m["files"].items():
+        data = (saved["dir"] / name).read_bytes()
+        assert record == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}, name
+
+
+def test_sha256_checkpoints_of_the_previous_format_still_load_and_verify(
+    saved: dict[str, Any],
+) -> None:
+    directory = saved["dir"]
+    as_version_1(directory)
+    state, model, opt, sched, loader = W.prepared("none", seed=1)
+    info = fprep.load(directory, state, model, optimizers=(opt,), scheduler=sched, loader=loader)
+    assert info.step == 3 and info.extras == {"best": 0.5}
+    assert same_snapshot(snapshot(model, opt), snapshot(saved["model"], saved["opt"]))
+    data = directory / "__0_0.distcp"  # the sha256 is verified, not just accepted
+    content = bytearray(data.read_bytes())
+    content[len(content) // 3] ^= 0x04
+    data.write_bytes(bytes(content))
+    state, model, *_ = W.prepared("none", seed=1)
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp does not match its sha256 digest"):
+        fprep.load(directory, state, model)
+    assert same_snapshot(snapshot(model), before)
+
+
+def test_an_unknown_digest_algorithm_is_refused(saved: dict[str, Any]) -> None:
+    def change(m: dict[str, Any]) -> None:
+        record = m["files"]["__0_0.distcp"]
+        m["files"]["__0_0.distcp"] = {"size": record["size"], "blake5": record["blake3"]}
+
+    rewrite_manifest(saved["dir"], change)
+    state, model, *_ = W.prepared("none", seed=1)
+    with pytest.raises(
+        CheckpointError, match=r"'__0_0\.distcp' with a 'blake5' digest, which this fprep cannot"
+    ) as e:
+        fprep.load(saved["dir"], state, model)
+    assert e.value.subject == "manifest.json" and "upgrade fprep" in e.value.hint
+    with pytest.raises(CheckpointError, match="unknown hash algorithm 'md5'"):
+        files.new_hasher("md5")
+
+
+@pytest.mark.parametrize(
+    ("shape", "offsets", "lengths", "span"),
+    [
+        ((4, 6), (1, 0), (2, 6), (6, 12)),  # whole rows
+        ((4, 6), (2, 3), (1, 2), (15, 2)),  # part of one row
+        ((4, 6), (0, 2), (4, 2), None),  # a column band: one run per row
+        ((2, 3, 4), (1, 1, 0), (1, 2, 4), (16, 8)),
+        ((2, 3, 4), (0, 1, 0), (2, 1, 4), None),
+        ((), (), (), (0, 1)),
+    ],
+)
+def test_contiguous_runs_of_a_stored_chunk(
+    shape: tuple[int, ...], offsets: Any, lengths: Any, span: Any
+) -> None:
+    assert storage._span(shape, offsets, lengths) == span
+    if span is not None:  # the run is exactly the box's elements, in order
+        whole = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+        box = whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+        first, count = span
+        assert torch.equal(whole.flatten()[first : first + count], box.flatten())
+
+
+def test_a_target_that_is_not_one_contiguous_run_is_read_through_the_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, model = fprep.prepare(nn.Linear(4, 3), fprep.PrepConfig())
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(12.0).view(3, 4))
+    fprep.save(tmp_path, state, model)
+    other = nn.Linear(4, 3)
+    other.weight = nn.Parameter(torch.zeros(4, 3).t())  # a transposed view: not contiguous
+    state2, other = fprep.prepare(other, fprep.PrepConfig())
+    assert not other.weight.is_contiguous()
+    mapped: list[str] = []
+    real = storage.Source.mapping
+
+    def mapping(self: storage.Source) -> Any:
+        mapped.append(self.what)
+        return real(self)
+
+    monkeypatch.setattr(storage.Source, "mapping", mapping)
+    fprep.load(tmp_path, state2, other)
+    assert mapped == ["__0_0.distcp"]  # the weight; the bias was read straight into its memory
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
+def open_checkpoint_files() -> list[str]:
+    fds = Path("/proc/self/fd")
+    return [str(fd.readlink()) for fd in fds.iterdir() if fd.is_symlink()] if fds.is_dir() else []
+
+
+def test_checks_started_while_dcp_plans_are_cleaned_up_when_it_fails_before_reading(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digests are checked from DCP's local planning on; a failure after it (here in the
+    global planning step) must leave no thread running and no file open."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    started: list[str] = []
+    real_start = storage.SafeReader._start
+
+    def start(self: storage.SafeReader, names: list[str]) -> None:
+        started.extend(names)
+        real_start(self, names)
+
+    monkeypatch.setattr(storage.SafeReader, "_start", start)
+    monkeypatch.setattr(DefaultLoadPlanner, "create_global_plan", _raise(OSError("planning")))
+    state, model, opt, *_ = W.prepared("none", seed=1)
+    before = snapshot(model, opt)
+    with pytest.raises(CheckpointError, match="planning"):
+        fprep.load(saved["root"], state, model, optimizers=(opt,))
+    assert started == ["__0_0.distcp"]
+    assert not [f for f in open_checkpoint_files() if f.endswith(".distcp")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("fprep-verify")]
+    assert same_snapshot(snapshot(model, opt), before)
+
+
+# -- OS errors -----------------------------------------------------------------------------------
+def _raise(error: OSError) -> Any:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    return fail
+
+
+def test_export_full_os_errors_name_the_path_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, model, *_ = W.prepared("none")
+    with pytest.raises(CheckpointError, match=r"cannot export to .*: it is a directory") as e:
+        fprep.export_full(tmp_path, state, model)
+    assert e.value.subject == str(tmp_path) and "model.safetensors" in e.value.hint
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    for target in (blocker / "model.safetensors", blocker / "sub" / "model.safetensors"):
+        with pytest.raises(CheckpointError, match=f"cannot write {re.escape(str(target))}") as e:
+            fprep.export_full(target, state, model)
+        assert e.value.subject == str(target)
+        assert "is a file" in e.value.hint or "in the way" in e.value.hint
+    assert blocker.read_text() == "in the way"
+    # a full disk, found when the file is fsynced: an existing export is left as it was
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"the previous export")
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", _raise(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        with pytest.raises(CheckpointError, match="No space left on device") as e:
+            fprep.export_full(target, state, model)
+    assert "file system is full" in e.value.hint and "unchanged" in e.value.hint
+    assert isinstance(e.value.__cause__, OSError)
+    assert target.read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "model.safetensors"]
+    # permission denied (really where the tests do not run as root; else at the rename)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    with monkeypatch.context() as m:
+        if os.geteuid() == 0:
+            denied = PermissionError(errno.EACCES, "Permission denied", str(locked))
+            m.setattr(os, "replace", _raise(denied))
+        else:
+            locked.chmod(0o500)
+        with pytest.raises(CheckpointError, match=r"Permission denied") as e:
+            fprep.export_full(locked / "model.safetensors", state, model)
+    locked.chmod(0o700)
+    assert "permissions" in e.value.hint and os.listdir(locked) == []
+
+
+def test_load_os_errors_name_the_file_and_what_to_do(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = saved["dir"]
+    state, model, opt, *_ = W.prepared("none", seed=1)
+    before = snapshot(model, opt)
+    real_open = open
+
+    def open_denied(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("metadata.json"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        if os.geteuid() == 0:  # root reads anything: inject what a locked file gives
+            m.setattr(files, "open", open_denied, raising=False)
+        else:
+            (directory / "metadata.json").chmod(0)
+        with pytest.raises(CheckpointError, match=r"cannot read metadata\.json at .*Permission"):
+            fprep.load(directory, state, model, optimizers=(opt,))
+    (directory / "metadata.json").chmod(0o600)
+    # a data file that cannot be opened (a stale handle on a network file system)
+    real_os_open = os.open
+
+    def stale(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(".distcp"):
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return real_os_open(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", stale)
+        with pytest.raises(CheckpointError, match=r"cannot read __0_0\.distcp at .*Stale") as e:
+            fprep.load(directory, state, model, optimizers=(opt,))
+    assert e.value.subject == "__0_0.distcp" and "accessible" in e.value.hint
+    # any other OSError on the way (here: an I/O error resolving `latest`) is one too
+    with monkeypatch.context() as m:
+        m.setattr(layout, "resolve", _raise(OSError(errno.EIO, "Input/output error", "/x")))
+        with pytest.raises(CheckpointError, match=r"cannot read /x: Input/output error") as e:
+            fprep.load(saved["root"], state, model, optimizers=(opt,))
+    assert "I/O error" in e.value.hint
+    assert same_snapshot(snapshot(model, opt), before) and len(opt.state) == 0
+    fprep.load(directory, state, model, optimizers=(opt,))  # nothing was left broken
+
+
+def test_a_full_disk_while_saving_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, model, *_ = W.prepared("none")
+    fprep.save(tmp_path, state, model, step=1)
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", _raise(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        with pytest.raises(CheckpointError, match=r"cannot write .*__0_0\.distcp: No space") as e:
+            fprep.save(tmp_path, state, model, step=2)
+    assert e.value.subject == "__0_0.distcp" and "file system is full" in e.value.hint
+    s, m2, *_ = W.prepared("none", seed=1)
+    assert fprep.load(tmp_path, s, m2).step == 1
+
+
+# -- progress ------------------------------------------------------------------------------------
+class Terminal(io.StringIO):
+    """What a terminal looks like to ``Progress``."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def final_lines(text: str) -> list[str]:
+    """The last state of each progress line (each is redrawn after a carriage return)."""
+    assert text.endswith("\n")
+    return [line.split("\r")[-1] for line in text[:-1].split("\n")]
+
+
+def test_progress_lines_on_a_terminal_reach_the_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(storage, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(storage, "_HASH_CHUNK", 4096)  # several steps per file
+    state, model, opt, *_ = trained()
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    fprep.save(tmp_path, state, model, optimizers=(opt,))
+    state2, model2, opt2, *_ = W.prepared("none", seed=1)
+    fprep.load(tmp_path, state2, model2, optimizers=(opt2,))
+    fprep.load(tmp_path, state2, model2, optimizers=(opt2,), verify_hashes=False)
+    monkeypatch.undo()
+    data = (step_dir(tmp_path) / "__0_0.distcp").stat().st_size  # tensors and alignment
+    meta = json.loads((step_dir(tmp_path) / "metadata.json").read_text())
+    tensors = sum(entry["length"] for entry in meta["storage"])
+    lines = final_lines(terminal.getvalue())
+    assert [line.split(" [")[0] for line in lines] == [
+        "fprep: save",
+        "fprep: verify",
+        "fprep: load",
+        "fprep: load",  # verify_hashes=False: nothing to verify
+    ]
+    full = "[" + "#" * 24 + "]"
+    assert all(full in line for line in lines), lines
+    written = f"] {tensors / 1e3:.1f}/{tensors / 1e3:.1f} kB "
+    assert written in lines[0] and written in lines[2] and written in lines[3]
+    assert f"] {data / 1e3:.1f}/{data / 1e3:.1f} kB " in lines[1]  # every byte of the file
+    assert same_snapshot(snapshot(model2, opt2), snapshot(model, opt))
+
+
+def test_progress_is_silent_off_a_terminal_or_when_quick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, model, *_ = W.prepared("none")
+    for stream, after_s in ((io.StringIO(), 0.0), (Terminal(), 60.0)):
+        monkeypatch.setattr(storage, "PROGRESS_AFTER_S", after_s)
+        monkeypatch.setattr(sys, "stderr", stream)
+        fprep.save(tmp_path, state, model)
+        fprep.load(tmp_path, state, model)
+        monkeypatch.undo()
+        assert stream.getvalue() == ""

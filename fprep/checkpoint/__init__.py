@@ -8,8 +8,8 @@
 
 Modules, one job each: ``writing`` (save), ``reading`` (load), ``export``, ``layout``
 (directories, ``latest``, publishing, rotation), ``storage`` (DCP writer and reader: raw bytes,
-sha256), ``metadata`` (DCP metadata as JSON), ``manifest``, ``encoding`` (nested state as JSON),
-``states`` (flat tensor dicts), ``validate``, ``rng``, ``collective``, ``files``, ``info``.
+BLAKE3 digests), ``metadata`` (DCP metadata as JSON), ``manifest``, ``encoding`` (nested state as
+JSON), ``states`` (flat tensor dicts), ``validate``, ``rng``, ``collective``, ``files``, ``info``.
 See docs/checkpoints.md.
 
 The functions here import their implementations (and ``torch.distributed.checkpoint``, which
@@ -82,7 +82,7 @@ def load(
     ``path`` is the root given to ``save`` (its ``latest`` checkpoint is read) or one step
     directory. Call it on every rank. Raises ``CheckpointError`` (on every rank) for anything
     that cannot be loaded safely and exactly; the model and optimizers are then unchanged.
-    ``verify_hashes=False`` skips the sha256 of the tensor files (for storage you trust);
+    ``verify_hashes=False`` skips the digests of the tensor files (for storage you trust);
     sizes, structure and metadata are still checked, and nothing is ever unpickled.
     """
     from fprep.checkpoint.reading import load as _load

@@ -12,7 +12,10 @@ point to point, each written as it arrives: two receive buffers of one shard eac
 (reused for every tensor), nothing beyond the shard elsewhere. (``DTensor.full_tensor()`` would
 all-gather onto every rank, and gloo's all-gather and gather stage a second full copy.) Other
 DTensors use ``full_tensor()``.
-The file appears atomically (a temporary file, fsynced, then ``os.replace``).
+The file appears atomically (a temporary file, fsynced, then ``os.replace``). Any ``OSError``
+(permissions, a full disk, a path that is a directory or runs through a file) becomes a
+``CheckpointError`` naming the path and what to do, raised on every rank; the temporary file is
+removed and an existing file at ``path`` is left as it was.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fprep.checkpoint.collective import Group
-from fprep.checkpoint.files import fsync_dir
+from fprep.checkpoint.files import fsync_dir, os_failure
 from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.storage import byte_view
 from fprep.errors import CheckpointError
@@ -101,11 +104,17 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
                 values.append((name, value, originals.get(name, value.dtype)))
         head = header([(n, d, tuple(v.shape)) for n, v, d in values])
         if group.rank == 0:
+            if target.is_dir():
+                raise CheckpointError(
+                    f"cannot export to {target}: it is a directory.",
+                    subject=str(target),
+                    hint=f"Pass the path of a file, e.g. {target / 'model.safetensors'}.",
+                )
             target.parent.mkdir(parents=True, exist_ok=True)
             handle = open(tmp, "wb")  # noqa: SIM115 - closed below, after the collectives
             handle.write(head)
     except Exception as e:
-        error = e
+        error = _failed(e, target)
     try:
         group.agree(error)
     except BaseException:
@@ -122,7 +131,7 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
                         handle.write(byte_view(data))
                         del data
                     except Exception as e:  # keep taking part in the gathers; report at the end
-                        error = e
+                        error = _failed(e, target)
                 del part
         if handle is not None and error is None:
             handle.flush()
@@ -132,7 +141,7 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
             fsync_dir(target.parent)
             handle = None
     except Exception as e:
-        error = e
+        error = _failed(e, target)
     finally:
         _discard(handle, tmp)
     group.agree(error)
@@ -234,8 +243,22 @@ def _pieces(value: torch.Tensor, buffers: _Buffers) -> Any:
         post(slot)  # the buffer was written: reuse it for the next sender
 
 
+def _failed(error: Exception, target: Path) -> Exception:
+    """An ``OSError`` as a ``CheckpointError`` about ``target``; anything else as it is."""
+    if not isinstance(error, OSError):
+        return error
+    return os_failure(
+        error,
+        "write",
+        target,
+        subject=str(target),
+        then="Nothing was written at that path (an existing file there is unchanged).",
+    )
+
+
 def _discard(handle: Any, tmp: Path) -> None:
     if handle is not None:
-        handle.close()
+        with contextlib.suppress(OSError):  # closing flushes: a full disk fails again here
+            handle.close()
         with contextlib.suppress(OSError):
             tmp.unlink()

@@ -1,7 +1,8 @@
 """``manifest.json``: everything about a checkpoint that is not tensor data, as plain JSON.
 
-The manifest is the checkpoint's root of trust for integrity: it records the size and sha256 of
-every other file, which are checked before a file is used. It also holds the step, the user's
+The manifest is the checkpoint's root of trust for integrity: it records the size and digest of
+every other file (``{"size": n, "blake3": hex}``; ``"sha256"`` in version 1 manifests, still
+read), which are checked before a file is used. It also holds the step, the user's
 extras, the scheduler state, the non-tensor part of each optimizer's state (hyperparameters,
 parameter names; tensors are ``{"$tensor": key}`` references into DCP), and per rank the RNG
 states and the data-loader position. It is parsed as strict JSON and validated field by field.
@@ -13,13 +14,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fprep.checkpoint.files import FileRecord, dump_json, parse_json
+from fprep.checkpoint.files import ALGORITHMS, FileRecord, dump_json, parse_json
 from fprep.checkpoint.metadata import DATA_FILE, METADATA_FILE
 from fprep.errors import CheckpointError
 
 FORMAT = "fprep-checkpoint"
-VERSION = 1
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+#: 2: BLAKE3 digests (an older fprep reading one says "version 2 is not 1 (written by a newer
+#: fprep?)" instead of failing on the record). 1: sha256 digests.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")  # 32 bytes: sha256 and BLAKE3's default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +69,7 @@ class Manifest:
                 "fprep_version": self.fprep_version,
                 "torch_version": self.torch_version,
                 "files": {
-                    name: {"size": r.size, "sha256": r.sha256} for name, r in self.files.items()
+                    name: {"size": r.size, r.algorithm: r.digest} for name, r in self.files.items()
                 },
                 "optimizers": [{"class": o.cls, "state_dict": o.state} for o in self.optimizers],
                 "scheduler": self.scheduler,
@@ -101,8 +105,10 @@ def parse(data: bytes) -> Manifest:
     obj = parse_json(data, "manifest.json")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise _fail(f"its format is not {FORMAT!r}")
-    if obj.get("version") != VERSION:
-        raise _fail(f"version {obj.get('version')!r} is not {VERSION} (written by a newer fprep?)")
+    version = obj.get("version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        readable = " or ".join(map(str, READABLE_VERSIONS))
+        raise _fail(f"version {version!r} is not {readable} (written by a newer fprep?)")
     expected = {
         "format",
         "version",
@@ -128,14 +134,26 @@ def parse(data: bytes) -> Manifest:
     for name, rec in files_obj.items():
         if name != METADATA_FILE and not DATA_FILE.fullmatch(name):
             raise _fail(f"'files' lists {name!r}, which is not a checkpoint file name")
-        if not isinstance(rec, dict) or set(rec) != {"size", "sha256"}:
-            raise _fail(f"the record of {name!r} must have exactly 'size' and 'sha256'")
-        size, digest = rec["size"], rec["sha256"]
+        if not isinstance(rec, dict) or "size" not in rec or len(rec) != 2:
+            raise _fail(
+                f"the record of {name!r} must have exactly 'size' and one digest "
+                f"({' or '.join(map(repr, ALGORITHMS))})"
+            )
+        (algorithm,) = set(rec) - {"size"}
+        if algorithm not in ALGORITHMS:
+            raise CheckpointError(
+                f"manifest.json records {name!r} with a {algorithm!r} digest, which this fprep "
+                f"cannot verify (it knows {', '.join(ALGORITHMS)}).",
+                subject="manifest.json",
+                hint="The checkpoint was written by a newer fprep, or modified: upgrade fprep to "
+                "load it; nothing was loaded.",
+            )
+        size, digest = rec["size"], rec[algorithm]
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise _fail(f"the size of {name!r} must be an int >= 0")
-        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-            raise _fail(f"the sha256 of {name!r} must be 64 lowercase hex digits")
-        files[name] = FileRecord(size=size, sha256=digest)
+        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
+            raise _fail(f"the {algorithm} of {name!r} must be 64 lowercase hex digits")
+        files[name] = FileRecord(size=size, algorithm=algorithm, digest=digest)
     if METADATA_FILE not in files:
         raise _fail(f"'files' does not list {METADATA_FILE}")
     world_size = _int(obj, "world_size", 1)

@@ -5,13 +5,16 @@ on one rank is raised on all:
 
 1. rank 0 resolves the step directory (``latest``, or the newest ``step-*``);
 2. every rank parses ``manifest.json`` (strict JSON), checks ``metadata.json`` against the size
-   and sha256 the manifest records, parses it, and compares keys, shapes and dtypes with the
+   and digest the manifest records, parses it, and compares keys, shapes and dtypes with the
    live model and optimizers; non-tensor state (scheduler, loader, RNG, extras) is decoded and
    validated too. Nothing has been changed yet (see ``_restore`` for the one exception);
-3. DCP plans which chunks each rank reads; ``SafeReader`` maps and checks every file this rank
-   needs (size, sha256), all ranks agree that every check passed, and only then copies the
+3. DCP plans which chunks each rank reads; ``SafeReader`` opens and checks every file this rank
+   needs (size, digest), all ranks agree that every check passed, and only then copies the
    chunks into the live tensors (this rank's shards, in place: no second copy of the state);
 4. then the model, optimizers, scheduler, loader and RNG states are set from them.
+
+An ``OSError`` on the way (permissions, a file that cannot be opened, an I/O error) becomes a
+``CheckpointError`` naming the file and what to do, on every rank.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from fprep.checkpoint import layout, rng, validate
 from fprep.checkpoint import metadata as md_json
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import decode, encode, tensor_keys
-from fprep.checkpoint.files import check_size, parse_json, read_small, read_verified
+from fprep.checkpoint.files import check_size, parse_json, read_failure, read_small, read_verified
 from fprep.checkpoint.info import LoadedInfo
 from fprep.checkpoint.manifest import Manifest, parse
 from fprep.checkpoint.states import (
@@ -366,7 +369,7 @@ def load(
     ``path`` is the root given to ``save`` (its ``latest`` checkpoint is read) or one step
     directory. Call it on every rank. Raises ``CheckpointError`` (on every rank) for anything
     that cannot be loaded safely and exactly; the model and optimizers are then unchanged.
-    ``verify_hashes=False`` skips the sha256 of the tensor files (for storage you trust, when
+    ``verify_hashes=False`` skips the digests of the tensor files (for storage you trust, when
     hashing is the bottleneck); sizes, structure and metadata are still checked, and nothing is
     ever unpickled either way.
     """
@@ -385,7 +388,7 @@ def load(
         if group.rank == 0:
             name = str(layout.resolve(path))
     except Exception as e:
-        error = e
+        error = read_failure(e, path)
     step_dir = Path(group.agree(error, name)[0])
 
     snapshots = [dict(opt.state) for opt in opts]
@@ -394,7 +397,7 @@ def load(
     try:
         plan = _plan(step_dir, state, model, opts, scheduler, loader, strict, group)
     except Exception as e:
-        error = e
+        error = read_failure(e, step_dir)
     try:
         group.agree(error)
     except BaseException:
@@ -408,6 +411,7 @@ def load(
             plan.manifest.files,
             verify=verify_hashes,
             agree=group.agree if group.distributed else None,
+            progress=group.rank == 0,
         )
         try:
             with group.dcp_call():
@@ -422,6 +426,8 @@ def load(
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             raise unwrap_dcp_error(e) from None
+        finally:
+            reader.close()  # files still open if DCP failed before reading
     _apply(plan, model, strict)
     if scheduler is not None and plan.scheduler_state is not None:
         scheduler.load_state_dict(plan.scheduler_state)

@@ -5,7 +5,8 @@ Order of work (every rank, collectives in the same order):
 1. check the arguments and turn every non-tensor value into JSON data (before any effect);
 2. rank 0 creates a fresh ``.tmp-*`` directory; all ranks agree that nothing failed;
 3. ``torch.distributed.checkpoint.save`` of the tensors through ``SafeWriter`` (raw bytes,
-   sha256 per file, ``metadata.json`` on the coordinator);
+   a BLAKE3 digest per file, ``metadata.json`` on the coordinator; a progress line on rank 0
+   when it is slow);
 4. rank 0 gathers each rank's file records, RNG states and loader position, writes
    ``manifest.json``, publishes (rename + ``latest``), rotates, removes stale temp dirs;
 5. every rank returns the published directory (or raises the same error).
@@ -128,7 +129,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     tmp = root / names[0]
-    writer = SafeWriter(tmp)
+    writer = SafeWriter(tmp, progress=group.rank == 0)
     try:
         with group.dcp_call():
             dcp_save(
