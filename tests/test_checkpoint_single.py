@@ -729,6 +729,39 @@ def test_objects_without_saved_state(tmp_path: Path) -> None:
     assert len(info.notes) == 2
 
 
+def test_fp16_grad_scaler_state_is_saved_and_restored(tmp_path: Path) -> None:
+    """The loss scale and its growth tracker come back: a resumed fp16 run neither restarts
+    from the initial scale nor skips steps finding it again."""
+    state, model, *_ = trained(precision="fp16")
+    scaler = state.handles.grad_scaler
+    scaler.update(1024.0)  # a scale no fresh scaler has
+    scaler._growth_tracker.fill_(7)
+    saved_scaler = scaler.state_dict()
+    fprep.save(tmp_path, state, model)
+    assert json.loads((step_dir(tmp_path) / "manifest.json").read_text())["grad_scaler"]
+
+    fresh_state, fresh_model, *_ = W.prepared("none", precision="fp16")
+    assert fresh_state.handles.grad_scaler.state_dict() != saved_scaler
+    info = fprep.load(tmp_path, fresh_state, fresh_model)
+    assert fresh_state.handles.grad_scaler.state_dict() == saved_scaler
+    assert info.notes == ()
+
+    fp32_state, fp32_model, *_ = W.prepared("none")  # another precision: a note, not an error
+    info = fprep.load(tmp_path, fp32_state, fp32_model)
+    assert any("grad-scaler" in note for note in info.notes)
+
+
+def test_a_checkpoint_without_scaler_state_gives_fp16_a_fresh_scale(tmp_path: Path) -> None:
+    state, model, *_ = trained()
+    fprep.save(tmp_path, state, model)
+    assert json.loads((step_dir(tmp_path) / "manifest.json").read_text())["grad_scaler"] is None
+    fp16_state, fp16_model, *_ = W.prepared("none", precision="fp16")
+    before = fp16_state.handles.grad_scaler.state_dict()
+    info = fprep.load(tmp_path, fp16_state, fp16_model)
+    assert fp16_state.handles.grad_scaler.state_dict() == before
+    assert any("loss scale starts anew" in note for note in info.notes)
+
+
 # -- export --------------------------------------------------------------------------------------
 def test_export_full_is_plain_safetensors(tmp_path: Path) -> None:
     from fprep.testing.models import tiny_gpt

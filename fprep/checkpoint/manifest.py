@@ -52,6 +52,7 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     optimizers: tuple[OptimizerRecord, ...] = ()
     scheduler: Any = None  # encoded scheduler state, None when none was saved
+    grad_scaler: Any = None  # encoded fp16 GradScaler state, None without one (version >= 2)
     ranks: tuple[RankRecord, ...] = ()
     extras: Any = None  # encoded user extras
     fprep_version: str = ""
@@ -73,6 +74,7 @@ class Manifest:
                 },
                 "optimizers": [{"class": o.cls, "state_dict": o.state} for o in self.optimizers],
                 "scheduler": self.scheduler,
+                "grad_scaler": self.grad_scaler,
                 "ranks": [{"rng": r.rng, "loader": r.loader} for r in self.ranks],
                 "extras": self.extras,
             }
@@ -124,6 +126,8 @@ def parse(data: bytes) -> Manifest:
         "ranks",
         "extras",
     }
+    if version >= 2:
+        expected.add("grad_scaler")
     if set(obj) != expected:
         extra, missing = sorted(set(obj) - expected), sorted(expected - set(obj))
         raise _fail(f"unexpected fields {extra}, missing fields {missing}")
@@ -187,6 +191,7 @@ def parse(data: bytes) -> Manifest:
         files=files,
         optimizers=tuple(optimizers),
         scheduler=obj["scheduler"],
+        grad_scaler=obj.get("grad_scaler"),
         ranks=tuple(ranks),
         extras=obj["extras"],
         fprep_version=_str(obj, "fprep_version"),

@@ -79,6 +79,7 @@ class _Plan:
     model_keys: list[str]
     optimizers: list[_OptimizerPlan]
     scheduler_state: Any
+    scaler_state: Any
     loader_state: Any
     rng_state: Any
     extras: Any
@@ -247,6 +248,21 @@ def _plan(
                     "the checkpoint's scheduler state is not a dict.", subject="scheduler"
                 )
 
+    scaler_state = None
+    has_scaler = getattr(state.handles, "grad_scaler", None) is not None
+    if has_scaler and manifest.grad_scaler is None:
+        notes.append("the checkpoint has no fp16 grad-scaler state; the loss scale starts anew.")
+    elif manifest.grad_scaler is not None and not has_scaler:
+        notes.append("the checkpoint's fp16 grad-scaler state was not used (this run is not fp16).")
+    elif manifest.grad_scaler is not None:
+        scaler_state = _decode_plain(manifest.grad_scaler, "the grad-scaler state")
+        if not isinstance(scaler_state, dict) or not isinstance(scaler_state.get("scale"), float):
+            raise CheckpointError(
+                "the checkpoint's grad-scaler state is not a GradScaler state dict.",
+                subject="grad_scaler",
+                hint="The manifest was modified or not written by fprep.save; nothing was loaded.",
+            )
+
     same_world = manifest.world_size == group.world_size
     record = manifest.ranks[group.rank] if same_world else manifest.ranks[0]
     loader_state = None
@@ -289,6 +305,7 @@ def _plan(
         model_keys=[k for k in live_model if k in targets],
         optimizers=plans,
         scheduler_state=scheduler_state,
+        scaler_state=scaler_state,
         loader_state=loader_state,
         rng_state=rng_state,
         extras=extras,
@@ -431,6 +448,9 @@ def load(
     _apply(plan, model, strict)
     if scheduler is not None and plan.scheduler_state is not None:
         scheduler.load_state_dict(plan.scheduler_state)
+    scaler = getattr(state.handles, "grad_scaler", None)
+    if scaler is not None and plan.scaler_state is not None:
+        scaler.load_state_dict(plan.scaler_state)
     if loader is not None and plan.loader_state is not None:
         loader.load_state_dict(plan.loader_state)
     if plan.rng_state is not None:

@@ -104,6 +104,7 @@ def save(
     skeletons: list[OptimizerRecord] = []
     encoded_extras: Any = None
     encoded_scheduler: Any = None
+    encoded_scaler: Any = None
     record = RankRecord()
     try:
         _check_args(step, keep_last)
@@ -115,6 +116,7 @@ def save(
             None if scheduler is None else encode(scheduler.state_dict(), "scheduler", None)
         )
         encoded_loader = None if loader is None else encode(loader.state_dict(), "loader", None)
+        encoded_scaler = _grad_scaler_state(state)
         tensors.update(model_tensors(state, model, for_save=True))
         skeletons = split_optimizers(state, model, opts, tensors, for_save=True)
         record = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
@@ -158,6 +160,7 @@ def save(
                 files=files,
                 optimizers=tuple(skeletons),
                 scheduler=encoded_scheduler,
+                grad_scaler=encoded_scaler,
                 ranks=tuple(r for _, r in gathered),
                 extras=encoded_extras,
                 fprep_version=_fprep_version(),
@@ -175,6 +178,15 @@ def save(
     group.agree(error)
     name = group.broadcast(None if published is None else published.name)
     return root / str(name)
+
+
+def _grad_scaler_state(state: PrepState) -> Any:
+    """fp16's loss scale and growth tracker: without them a resumed run starts from the initial
+    scale (and skips steps finding it again), so it would not equal the uninterrupted run."""
+    scaler = getattr(state.handles, "grad_scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return encode(scaler.state_dict(), "grad_scaler", None)
 
 
 def _failed(phase: str, root: Path, error: Exception) -> CheckpointError:
