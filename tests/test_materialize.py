@@ -29,8 +29,9 @@ from fprep.sharding import shard_shape
 from fprep.state import ShardSpec
 from fprep.testing.distributed import run_ranks
 
-#: The module (``fprep.apply.materialize`` is also the name of the step function).
-M: Any = importlib.import_module("fprep.apply.materialize")
+#: materialize's pure planning, and its per-module jobs
+S: Any = importlib.import_module("fprep.apply.init_schedule")
+J: Any = importlib.import_module("fprep.apply.init_jobs")
 
 SEED = 11
 TIMEOUT_S = 240.0
@@ -42,7 +43,7 @@ needs_gloo = pytest.mark.skipif(
 # -- pure core -----------------------------------------------------------------------------------
 @given(st.lists(st.integers(0, 5000), max_size=12), st.sampled_from([1, 8, 64, 512]))
 def test_carve_gives_aligned_blocks_that_never_overlap(sizes: list[int], align: int) -> None:
-    offsets, total = M.carve(sizes, align)
+    offsets, total = S.carve(sizes, align)
     assert len(offsets) == len(sizes)
     assert all(offset % align == 0 for offset in offsets)
     blocks = sorted((o, o + n) for o, n in zip(offsets, sizes, strict=True) if n)
@@ -53,7 +54,7 @@ def test_carve_gives_aligned_blocks_that_never_overlap(sizes: list[int], align: 
 
 @given(st.lists(st.booleans(), max_size=30))
 def test_schedule_keeps_plan_order_and_pools_runs_of_shareable_modules(flags: list[bool]) -> None:
-    work = M.schedule(flags)
+    work = S.schedule(flags)
     flat = [i for item in work for i in ((item,) if isinstance(item, int) else item)]
     assert flat == list(range(len(flags)))  # every module once, in plan order
     for item in work:
@@ -69,9 +70,9 @@ def test_schedule_keeps_plan_order_and_pools_runs_of_shareable_modules(flags: li
 
 @given(st.lists(st.integers(0, 10_000), max_size=40), st.integers(1, 9))
 def test_assign_balances_work_between_ranks(costs: list[int], world: int) -> None:
-    owners = M.assign(costs, world)
+    owners = S.assign(costs, world)
     assert len(owners) == len(costs) and all(0 <= k < world for k in owners)
-    assert owners == M.assign(costs, world)  # the same on every rank
+    assert owners == S.assign(costs, world)  # the same on every rank
     loads = [sum(c for c, k in zip(costs, owners, strict=True) if k == r) for r in range(world)]
     # greedy, largest first: no rank has more than one module's worth over the least loaded
     assert max(loads) - min(loads) <= max(costs, default=0)
@@ -98,7 +99,7 @@ def test_row_spans_cut_the_rows_as_fsdp2_does(rows: int, rest: list[int], world:
             padded_shape=padded,
             requires_grad=True,
         )
-        start, stop = M.row_span(spec, world, rank)
+        start, stop = S.row_span(spec, world, rank)
         assert stop - start == local[0]  # exactly the rows FSDP2 gives this rank
         covered += range(start, stop)
     assert covered == (list(range(rows)) if all(rest) else [])
@@ -106,15 +107,15 @@ def test_row_spans_cut_the_rows_as_fsdp2_does(rows: int, rest: list[int], world:
 
 @given(st.integers(0, 2**31), st.text(max_size=20))
 def test_module_seeds_are_stable_and_one_per_shard_rank(base: int, fqn: str) -> None:
-    assert M.module_seed(base, fqn) == M.module_seed(base, fqn)
-    per_rank = {M.module_seed(base, fqn, rank) for rank in range(10)}
+    assert S.module_seed(base, fqn) == S.module_seed(base, fqn)
+    per_rank = {S.module_seed(base, fqn, rank) for rank in range(10)}
     assert len(per_rank) == 10 and all(0 <= s < 2**63 - 1 for s in per_rank)
 
 
 def test_work_is_shared_only_on_gloo_with_several_ranks() -> None:
-    assert M.shares_work("gloo", 2) and M.shares_work("gloo", 64)
-    assert not M.shares_work("gloo", 1)
-    assert not M.shares_work("nccl", 8)  # accelerators draw random numbers faster than they move
+    assert S.shares_work("gloo", 2) and S.shares_work("gloo", 64)
+    assert not S.shares_work("gloo", 1)
+    assert not S.shares_work("nccl", 8)  # accelerators draw random numbers faster than they move
 
 
 # -- a model with every kind of module materialize treats differently ---------------------------
@@ -226,12 +227,12 @@ def _local_shards(model: nn.Module) -> W.Params:
 @contextlib.contextmanager
 def _every_rank_computes_everything() -> Iterator[None]:
     """What fprep does on other backends than gloo (a rank process only)."""
-    saved = M.SHARING_BACKENDS
-    M.SHARING_BACKENDS = frozenset()
+    saved = S.SHARING_BACKENDS
+    S.SHARING_BACKENDS = frozenset()
     try:
         yield
     finally:
-        M.SHARING_BACKENDS = saved
+        S.SHARING_BACKENDS = saved
 
 
 def materialize_facts() -> dict[str, Any]:
@@ -377,11 +378,11 @@ def test_non_reproducible_shards_differ_across_ranks_and_repeat(
 def test_a_failing_init_leaves_the_module_its_own_parameters() -> None:
     model = nn.Linear(3, 2)
     original = dict(model._parameters)
-    job = M._Job(
+    job = J.Job(
         fqn="",
         module=model,
         stand_ins=(
-            M._StandIn(
+            J.StandIn(
                 name="weight",
                 original=model.weight,
                 shape=model.weight.shape,
@@ -401,19 +402,19 @@ def test_a_failing_init_leaves_the_module_its_own_parameters() -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        M._compute(job, boom, M._Scratch([job]), torch.device("cpu"))
+        J.compute(job, boom, J.Scratch([job]), torch.device("cpu"))
     assert model._parameters == original
 
 
 def test_scratch_views_do_not_overlap_and_are_reused() -> None:
     def stand_in(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
         p = nn.Parameter(torch.empty(0))
-        return M._StandIn(
+        return J.StandIn(
             name=name, original=p, shape=torch.Size(shape), dtype=dtype, device=p.device, spec=None
         )
 
     def job(*stand_ins: Any) -> Any:
-        return M._Job(
+        return J.Job(
             fqn="",
             module=nn.Module(),
             stand_ins=stand_ins,
@@ -425,7 +426,7 @@ def test_scratch_views_do_not_overlap_and_are_reused() -> None:
 
     a = job(stand_in("w", (33, 7), torch.float32), stand_in("b", (5,), torch.bfloat16))
     b = job(stand_in("w", (3, 3), torch.float64))
-    scratch = M._Scratch([a, b])
+    scratch = J.Scratch([a, b])
     views = scratch.views(a.stand_ins)
     views["w"].fill_(1.0)
     views["b"].fill_(2.0)

@@ -1,0 +1,247 @@
+"""One module's initialization in materialize: its stand-ins, the scratch memory they live in,
+the seeded init, and keeping this rank's rows of the result.
+
+A ``Job`` says what a module needs (which parameters get full-size stand-ins, its seed, whether
+it can be shared out); ``compute`` runs its init on the stand-ins and always gives the module
+its own parameters back; ``run_everywhere`` is the path where every rank computes the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fprep.apply.init_schedule import carve, module_seed, row_span
+from fprep.errors import PrepareError
+from fprep.state import ShardSpec
+
+Init = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True, eq=False)
+class StandIn:
+    """A parameter replaced by a full-size tensor for the duration of its module's init."""
+
+    name: str
+    original: nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    spec: ShardSpec | None  # set where this rank keeps rows of the result (canonical, sharded)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    fqn: str
+    module: nn.Module
+    stand_ins: tuple[StandIn, ...]
+    seed: int
+    skip: bool  # nothing its init writes is kept: a leaf whose parameters are all tied elsewhere
+    shareable: bool  # a leaf without buffers whose parameters are all sharded
+    broadcast_buffers: bool  # non-reproducible mode: holds shards and buffers
+
+    @property
+    def cost(self) -> int:
+        return sum(s.shape.numel() for s in self.stand_ins)
+
+    @property
+    def kept(self) -> tuple[StandIn, ...]:
+        return tuple(s for s in self.stand_ins if s.spec is not None)
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return hasattr(p, "to_local")
+
+
+def local_of(p: nn.Parameter) -> torch.Tensor:
+    local: torch.Tensor = p.to_local() if is_sharded(p) else p  # type: ignore[attr-defined]
+    return local
+
+
+def job_for(
+    fqn: str,
+    module: nn.Module,
+    specs: dict[str, ShardSpec],
+    device: torch.device,
+    *,
+    reproducible: bool,
+    can_skip: bool,
+    seed: int,
+    shard_rank: int,
+) -> Job:
+    prefix = f"{fqn}." if fqn else ""
+    stand_ins: list[StandIn] = []
+    holds_shards, all_sharded, keeps_any = False, True, False
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        spec = specs.get(prefix + name)
+        canonical = spec is None or spec.fqn == prefix + name
+        sharded = is_sharded(p)
+        holds_shards |= sharded
+        all_sharded &= sharded
+        keeps_any |= canonical
+        if not canonical or (reproducible and sharded):
+            stand_ins.append(
+                StandIn(
+                    name=name,
+                    original=p,
+                    shape=p.shape,
+                    dtype=p.dtype,
+                    device=device if sharded else p.device,
+                    spec=spec if canonical and sharded else None,
+                )
+            )
+    has_buffers = any(b is not None for b in module._buffers.values())
+    leaf = all(
+        next(itertools.chain(child.parameters(), child.buffers()), None) is None
+        for child in module.children()
+    )
+    alone = leaf and not has_buffers
+    return Job(
+        fqn=fqn,
+        module=module,
+        stand_ins=tuple(stand_ins),
+        seed=module_seed(seed, fqn, None if reproducible or not holds_shards else shard_rank),
+        skip=can_skip and alone and not keeps_any,
+        shareable=reproducible and alone and holds_shards and all_sharded,
+        broadcast_buffers=not reproducible and holds_shards and has_buffers,
+    )
+
+
+class Scratch:
+    """Memory for full-size stand-ins: one byte buffer per device, sized to the largest module's
+    stand-ins and allocated on first use, so its pages are touched once, not once per module."""
+
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self._need: dict[torch.device, int] = {}
+        for job in jobs:
+            for device, group in by_device(job.stand_ins).items():
+                size = carve([s.nbytes for s in group])[1]
+                self._need[device] = max(self._need.get(device, 0), size)
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def views(self, stand_ins: Sequence[StandIn]) -> dict[str, torch.Tensor]:
+        """Non-overlapping tensors of the stand-ins' shapes; valid until the next call."""
+        out: dict[str, torch.Tensor] = {}
+        for device, group in by_device(stand_ins).items():
+            buffer = self._buffers.get(device)
+            if buffer is None:
+                buffer = torch.empty(self._need[device], dtype=torch.uint8, device=device)
+                self._buffers[device] = buffer
+            offsets, _ = carve([s.nbytes for s in group])
+            for s, offset in zip(group, offsets, strict=True):
+                out[s.name] = buffer[offset : offset + s.nbytes].view(s.dtype).view(s.shape)
+        return out
+
+
+def by_device(stand_ins: Sequence[StandIn]) -> dict[torch.device, list[StandIn]]:
+    out: dict[torch.device, list[StandIn]] = {}
+    for s in stand_ins:
+        out.setdefault(s.device, []).append(s)
+    return out
+
+
+@contextlib.contextmanager
+def blame(job: Job) -> Iterator[None]:
+    """Turn a failing init into a PrepareError naming the module."""
+    try:
+        yield
+    except PrepareError:
+        raise
+    except Exception as e:
+        raise PrepareError(
+            f"initializing module {job.fqn or '<root>'!r} ({type(job.module).__name__}) from "
+            f"the meta device failed: {type(e).__name__}: {e}",
+            subject=job.fqn,
+            hint="Check its reset_parameters() (or your param_init_fn): it must "
+            "initialize the module's own parameters and buffers in place.",
+        ) from e
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed the CPU generator (and the compute device's) for one init; restore them after.
+
+    On a CPU, only the CPU generator is touched: ``torch.manual_seed`` would also queue a lazy
+    reseed of every CUDA (XPU, MTIA) device, which ``fork_rng`` does not undo, and formats a
+    stack trace for each (about 1 ms per module).
+    """
+    devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        if devices:
+            torch.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
+
+
+def compute(
+    job: Job, init: Init, scratch: Scratch, device: torch.device
+) -> list[tuple[StandIn, torch.Tensor]]:
+    """Run ``job``'s seeded init with its stand-ins in place; the full tensors of the kept ones
+    (views of ``scratch``: use them before the next call). The module gets its own parameters
+    back even when the init fails, so no stand-in outlives this call through the module."""
+    module = job.module
+    kept: list[tuple[StandIn, torch.Tensor]] = []
+    try:
+        views = scratch.views(job.stand_ins)
+        for s in job.stand_ins:
+            module._parameters[s.name] = nn.Parameter(
+                views[s.name], requires_grad=s.original.requires_grad
+            )
+        with seeded(job.seed, device):
+            init(module)
+        for s in job.kept:
+            full = module._parameters.get(s.name)
+            if full is None or full.shape != s.shape or full.dtype != s.dtype:
+                what = "removed" if full is None else f"replaced it with {full.dtype} {full.shape}"
+                raise PrepareError(
+                    f"initializing module {job.fqn or '<root>'!r} {what}: its parameter "
+                    f"{s.name!r} must stay {s.dtype} {s.shape}.",
+                    subject=job.fqn,
+                )
+            kept.append((s, full.detach()))
+    finally:
+        for s in job.stand_ins:
+            module._parameters[s.name] = s.original
+    return kept
+
+
+def check_shard(s: StandIn) -> torch.Tensor:
+    """This rank's shard of ``s``, after checking it has the shape the plan predicted."""
+    assert s.spec is not None
+    local = local_of(s.original)
+    if tuple(local.shape) != s.spec.local_shape:
+        raise PrepareError(
+            f"parameter {s.spec.fqn!r} holds a shard of shape {tuple(local.shape)} but the plan "
+            f"predicted {s.spec.local_shape}.",
+            subject=s.spec.fqn,
+        )
+    return local
+
+
+def keep_rows(s: StandIn, full: torch.Tensor, world: int, rank: int) -> None:
+    assert s.spec is not None
+    start, stop = row_span(s.spec, world, rank)
+    check_shard(s).copy_(full[start:stop])
+
+
+def run_everywhere(
+    job: Job, init: Init, scratch: Scratch, device: torch.device, world: int, rank: int
+) -> None:
+    """Initialize ``job`` on this rank alone (every rank does the same)."""
+    with blame(job):
+        for s in job.kept:
+            check_shard(s)
+        for s, full in compute(job, init, scratch, device):
+            keep_rows(s, full, world, rank)

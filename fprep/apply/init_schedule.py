@@ -1,0 +1,91 @@
+"""Pure planning for materialize: seeds, scratch layout, who computes which module, which rows.
+
+No tensors and no process group here: plain numbers in, plain numbers out (property-tested in
+tests/test_materialize.py). See ``fprep.apply.materialize`` for how they are used.
+"""
+
+from __future__ import annotations
+
+import heapq
+import zlib
+from collections.abc import Sequence
+
+from fprep.sharding import local_rows
+from fprep.state import ShardSpec
+
+#: Byte alignment of views carved from a scratch buffer: at least what a fresh allocation gets
+#: (64 bytes on CPU, 512 with the CUDA caching allocator), so kernels see the same alignment.
+ALIGN = 512
+#: Backends whose shard groups share the full computation (see the module docstring).
+SHARING_BACKENDS = frozenset({"gloo"})
+
+#: One item of a schedule: a module index (initialized on every rank), or a phase of module
+#: indices (each computed on one shard rank, which sends the others their rows).
+Work = int | tuple[int, ...]
+
+
+def module_seed(base: int, fqn: str, shard_rank: int | None = None) -> int:
+    """A stable per-module seed: the same on every rank and every run; with ``shard_rank``
+    (non-reproducible mode, modules holding shards) one per shard."""
+    key = fqn if shard_rank is None else f"{fqn}\x00{shard_rank}"
+    return (base * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
+
+
+def carve(sizes: Sequence[int], align: int = ALIGN) -> tuple[tuple[int, ...], int]:
+    """Byte offsets of blocks of ``sizes`` bytes laid end to end, each starting ``align``-aligned,
+    and the bytes they span; blocks never overlap."""
+    offsets: list[int] = []
+    end = 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // align) * align
+    return tuple(offsets), end
+
+
+def shares_work(backend: str, shard_size: int) -> bool:
+    """Whether a shard group computes each module once and sends the rows (else every rank
+    computes every module in full): where random numbers cost more than bytes moved."""
+    return shard_size > 1 and backend in SHARING_BACKENDS
+
+
+def schedule(shareable: Sequence[bool]) -> list[Work]:
+    """Modules (by index, in plan order) grouped into the order of work.
+
+    A module that cannot be shared is initialized on every rank, in plan order: it is a
+    barrier, since its init may write what another module's init writes
+    (``nn.MultiheadAttention`` sets its child's bias). Consecutive shareable modules (leaves
+    that touch only their own, sharded parameters, so their order does not matter) form one
+    phase, shared out by ``assign``.
+    """
+    out: list[Work] = []
+    phase: list[int] = []
+    for i, ok in enumerate(shareable):
+        if ok:
+            phase.append(i)
+            continue
+        if phase:
+            out.append(tuple(phase))
+            phase = []
+        out.append(i)
+    if phase:
+        out.append(tuple(phase))
+    return out
+
+
+def assign(costs: Sequence[int], world: int) -> list[int]:
+    """The shard rank that computes each module of a phase: largest first, each to the rank
+    with the least work so far (the lowest on ties), so that the ranks finish together."""
+    loads = [(0, k) for k in range(world)]  # a heap of (work so far, rank)
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, k = heapq.heappop(loads)
+        owners[i] = k
+        heapq.heappush(loads, (load + costs[i], k))
+    return owners
+
+
+def row_span(spec: ShardSpec, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of the full parameter that shard rank ``rank`` holds."""
+    start = spec.padded_shape[0] * rank
+    rows = local_rows(spec.shape[0], world, rank) if all(spec.shape[1:]) else 0
+    return start, start + rows
