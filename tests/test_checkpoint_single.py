@@ -104,6 +104,7 @@ def as_version_1(directory: Path) -> None:
 
     def change(m: dict[str, Any]) -> None:
         m["version"] = 1
+        del m["grad_scaler"]  # added in version 2
         for name in m["files"]:
             data = (directory / name).read_bytes()
             m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
