@@ -1068,6 +1068,21 @@ def test_progress_lines_on_a_terminal_reach_the_total(
     assert same_snapshot(snapshot(model2, opt2), snapshot(model, opt))
 
 
+def test_export_shows_its_progress_in_bytes_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(storage, "PROGRESS_AFTER_S", 0.0)
+    state, model, *_ = trained()
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    target = fprep.export_full(tmp_path / "model.safetensors", state, model)
+    monkeypatch.undo()
+    tensors = sum(t.numel() * t.element_size() for t in load_file(target).values())
+    (line,) = final_lines(terminal.getvalue())
+    assert line.startswith("fprep: export [" + "#" * 24 + "]")
+    assert f"] {tensors / 1e3:.1f}/{tensors / 1e3:.1f} kB " in line
+
+
 def test_progress_is_silent_off_a_terminal_or_when_quick(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.files import fsync_dir, os_failure
 from fprep.checkpoint.states import buffer_dtypes
-from fprep.checkpoint.storage import byte_view
+from fprep.checkpoint.storage import byte_view, progress
 from fprep.errors import CheckpointError
 from fprep.state import PrepState
 
@@ -122,17 +122,21 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
         raise
     error = None
     buffers = _Buffers()
+    total = sum(v.numel() * dtype.itemsize for _, v, dtype in values)
+    bar = progress("fprep: export", total, group.rank == 0)
     try:
-        for _name, value, dtype in values:
-            for part in _pieces(value.detach(), buffers):  # collectives: every rank, same order
-                if handle is not None and error is None:
-                    try:
-                        data = part.to(device="cpu", dtype=dtype).contiguous()
-                        handle.write(byte_view(data))
-                        del data
-                    except Exception as e:  # keep taking part in the gathers; report at the end
-                        error = _failed(e, target)
-                del part
+        with bar:
+            for _name, value, dtype in values:
+                for part in _pieces(value.detach(), buffers):  # collectives: every rank, in order
+                    if handle is not None and error is None:
+                        try:
+                            data = part.to(device="cpu", dtype=dtype).contiguous()
+                            handle.write(byte_view(data))
+                            bar.advance(data.numel() * data.element_size())
+                            del data
+                        except Exception as e:  # keep taking part in the gathers; report later
+                            error = _failed(e, target)
+                    del part
         if handle is not None and error is None:
             handle.flush()
             os.fsync(handle.fileno())
