@@ -192,28 +192,50 @@ def clip_grad_norm(
 def gather_for_metrics(
     state: PrepState, tensor: torch.Tensor, loader: PreparedDataLoader | None = None
 ) -> torch.Tensor:
-    """All ranks' ``tensor`` (batch dimension first) concatenated, every sample once.
+    """All data-parallel ranks' ``tensor`` (batch dimension first) concatenated, every sample
+    once, in data-parallel rank order (the order a prepared loader shards in).
 
-    With a prepared loader using even batches, the samples that were repeated to even out the
-    last batches are dropped, so metrics over an epoch count each dataset sample exactly once.
+    The ranks are those the model was prepared over — the process group or DeviceMesh given to
+    ``prepare`` (every dimension of an hsdp mesh), else the whole world — not necessarily every
+    process in the job. With a prepared loader using even batches, the samples that were
+    repeated to even out the last batches are dropped, so metrics over an epoch count each
+    dataset sample exactly once.
     """
     core = need(state.core, "init_core", "gather_for_metrics")
     if not core.is_distributed or not dist.is_initialized():
         return tensor
-    world = dist.get_world_size()
+    groups = _data_parallel_groups(state)
     size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    counts = [int(s.item()) for s in sizes]
+    counts = [int(s.item()) for s in _all_gather(size, groups)]
     longest = max(counts)
     padded = tensor
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         padded = torch.cat([tensor, pad])
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous())
-    keep = _kept_counts(counts, loader, world)
+    parts = _all_gather(padded.contiguous(), groups)
+    keep = _kept_counts(counts, loader, len(parts))
     return torch.cat([part[:k] for part, k in zip(parts, keep, strict=True)])
+
+
+def _data_parallel_groups(state: PrepState) -> list[Any]:
+    """The groups spanning the data-parallel ranks, outermost mesh dimension first."""
+    handles = handles_of(state)
+    mesh = handles.mesh
+    if mesh is not None:
+        return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return [handles.process_group]
+
+
+def _all_gather(tensor: torch.Tensor, groups: list[Any]) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (the same shape on each), in row-major order over ``groups``:
+    gathered along the innermost group first, then each outer one."""
+    parts = [tensor]
+    for group in reversed(groups):
+        stacked = torch.stack(parts)
+        out = [torch.empty_like(stacked) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, stacked, group=group)
+        parts = [p for o in out for p in o.unbind(0)]
+    return parts
 
 
 def _kept_counts(counts: list[int], loader: PreparedDataLoader | None, world: int) -> list[int]:

@@ -592,11 +592,32 @@ def two_ranks() -> dict[str, Any]:
     )
 
 
+def gather_cases() -> dict[str, Any]:
+    """gather_for_metrics over an hsdp 2 x 2 mesh, and over DDP on a 2-rank subgroup (ranks
+    {0, 1} and {2, 3} each train their own replica: each pair is its own data-parallel world)."""
+    out: dict[str, Any] = {}
+    cfg = fprep.PrepConfig(strategy="hsdp", hsdp_shard_size=2, seed=5)
+    state, _, loader = fprep.prepare(nn.Linear(2, 2), cfg, DataLoader(dataset(N), batch_size=2))
+    out["hsdp"] = epoch(state, loader)
+    rank, _ = rank_world()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    mine = pairs[rank // 2]
+    state, _, loader = fprep.prepare(
+        nn.Linear(2, 2),
+        fprep.PrepConfig(strategy="ddp", seed=5),
+        DataLoader(dataset(N), batch_size=2),
+        process_group=mine,
+    )
+    out["pair"] = epoch(state, loader)
+    return out
+
+
 def four_ranks() -> dict[str, Any]:
     return _timed(
         {
             "loops": lambda: loop_cases(HSDP_LOOP_CASES),
             "optimizers": lambda: optimizer_cases(HSDP_OPTIMIZER_CASES),
+            "gather": gather_cases,
         }
     )
 

@@ -103,6 +103,17 @@ def test_even_batches_cover_the_dataset_and_gather_counts_each_sample_once(
         assert sorted(gathered[0]) == list(range(n))  # each sample exactly once
 
 
+def test_gather_spans_the_data_parallel_ranks_not_the_world(four: list[dict[str, Any]]) -> None:
+    hsdp = [rank["gather"]["hsdp"]["gathered"] for rank in four]
+    assert all(g == hsdp[0] for g in hsdp) and sorted(hsdp[0]) == list(range(W.N))
+    local = [sorted(i for batch in rank["gather"]["hsdp"]["local"] for i in batch) for rank in four]
+    assert sorted(set().union(*map(set, local))) == list(range(W.N))  # 4 shares of one epoch
+    pairs = [rank["gather"]["pair"]["gathered"] for rank in four]
+    assert pairs[0] == pairs[1] and pairs[2] == pairs[3]
+    for gathered in pairs:  # each pair read the whole dataset: gathered once, not twice
+        assert sorted(gathered) == list(range(W.N))
+
+
 def test_even_batches_off_repeats_nothing(two: list[dict[str, Any]]) -> None:
     for case, n, batches in [("uneven", W.N, [3, 3]), ("uneven_short", 9, [3, 2])]:
         local = [rank["data"][case]["local"] for rank in two]
