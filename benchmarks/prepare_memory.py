@@ -53,8 +53,8 @@ DIM, HIDDEN, BLOCKS, WORLD = 1024, 4096, 24, 2
 TARGET = 1.05
 VARIANTS = ("torch", "fprep", "fprep full", "fprep fast")
 MB = 1e6
-#: The module (``fprep.apply.materialize`` is also the name of the step function).
-materialize: Any = importlib.import_module("fprep.apply.materialize")
+#: materialize's pure planning (where the rule for sharing the work lives)
+init_schedule: Any = importlib.import_module("fprep.apply.init_schedule")
 
 
 class Block(nn.Module):
@@ -122,13 +122,13 @@ def hand_written(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def _sharing(enabled: bool) -> Iterator[None]:
     """``enabled=False``: every rank computes every module in full, as on non-gloo backends."""
-    saved = materialize.SHARING_BACKENDS
+    saved = init_schedule.SHARING_BACKENDS
     if not enabled:
-        materialize.SHARING_BACKENDS = frozenset()
+        init_schedule.SHARING_BACKENDS = frozenset()
     try:
         yield
     finally:
-        materialize.SHARING_BACKENDS = saved
+        init_schedule.SHARING_BACKENDS = saved
 
 
 def _prepare(variant: str, model: nn.Module) -> nn.Module:
