@@ -279,12 +279,20 @@ def materialize_facts() -> dict[str, Any]:
         out["mismatch"] = None
     except PrepareError as e:
         out["mismatch"] = (e.subject, str(e))
+    # seed=None and ranks that never seeded alike: they agree on the first rank's seed
+    rank = W.rank_world()[0]
+    torch.manual_seed(UNSEEDED + rank)
+    _, model = fprep.prepare(meta_mixed(), fprep.PrepConfig(strategy="fsdp", wrap=HalfLinear))
+    out["unseeded"] = _full(model)
     return out
 
 
 @pytest.fixture(scope="module")
 def facts() -> dict[int, list[dict[str, Any]]]:
     return {world: run_ranks(materialize_facts, world, timeout_s=TIMEOUT_S) for world in (2, 3)}
+
+
+UNSEEDED = 1000  # rank r seeds its global RNG with UNSEEDED + r
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +317,21 @@ def test_full_parameters_are_bitwise_the_same_for_1_2_and_3_ranks(
     # the tied head kept the embedding's init, and the child's init came after its parent's
     assert torch.equal(one_rank["head.weight"], one_rank["emb.weight"])
     assert not torch.all(one_rank["parent.child.bias"] == 0.25)
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_without_a_seed_every_rank_uses_the_first_ranks(
+    facts: dict[int, list[dict[str, Any]]],
+) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(UNSEEDED)  # rank 0's
+        _, model = fprep.prepare(meta_mixed(), fprep.PrepConfig(strategy="fsdp", wrap=HalfLinear))
+    expected = W.full_params(model)
+    for world, ranks in facts.items():
+        params = W.load(ranks[0]["unseeded"])
+        for name, tensor in expected.items():
+            assert torch.equal(params[name], tensor), f"{world} ranks: {name}"
 
 
 @pytest.mark.slow

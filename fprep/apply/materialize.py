@@ -40,6 +40,8 @@ over gloo, and failing on every rank together); this module is the step that run
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -61,6 +63,22 @@ def _initializer(state: PrepState) -> Init:
         module.reset_parameters()  # type: ignore[operator]
 
     return reset
+
+
+def _agreed_initial_seed(groups: list[Any], device: torch.device) -> int:
+    """``PrepConfig.seed=None``: the first rank's ``torch.initial_seed()``, on every rank. A
+    process that never called ``manual_seed`` starts from a random seed of its own, and ranks
+    seeding from different values would compute different full tensors and keep slices of each
+    (hsdp replicas would even hold different weights). ``groups``: the mesh's dimension groups
+    (outermost first) or the one process group; broadcast along the innermost first, so the
+    value of coordinate (0, ..., 0) reaches every rank."""
+    seed = torch.initial_seed()
+    if not groups or not dist.is_initialized():
+        return seed
+    value = torch.tensor([seed % (2**63 - 1)], dtype=torch.int64, device=device)
+    for group in reversed(groups):
+        dist.broadcast(value, group=group, group_src=0)
+    return int(value.item())
 
 
 def _retie(model: nn.Module, specs: dict[str, ShardSpec]) -> None:
@@ -100,7 +118,14 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         return state, model
     storage = torch.device("cpu") if core.offload == "cpu" else device
     init = _initializer(state)
-    seed = cfg.seed if cfg.seed is not None else torch.initial_seed()
+    seed = cfg.seed
+    if seed is None:
+        # Only where every rank materializes (checked above); DDP, fast_ddp and
+        # sync_module_states overwrite the other ranks' weights with rank 0's anyway.
+        mesh = live.mesh
+        agree = group is not None and mesh is not None
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)] if agree else []
+        seed = _agreed_initial_seed(groups, device)
     specs = {name: s for s in (*handles.specs, *handles.ignored) for name in s.names}
     modules = [(fqn, model.get_submodule(fqn)) for fqn in plan.modules]
     with torch.no_grad():
