@@ -69,9 +69,9 @@ def _agreed_initial_seed(groups: list[Any], device: torch.device) -> int:
     """``PrepConfig.seed=None``: the first rank's ``torch.initial_seed()``, on every rank. A
     process that never called ``manual_seed`` starts from a random seed of its own, and ranks
     seeding from different values would compute different full tensors and keep slices of each
-    (hsdp replicas would even hold different weights). ``groups``: the mesh's dimension groups
-    (outermost first) or the one process group; broadcast along the innermost first, so the
-    value of coordinate (0, ..., 0) reaches every rank."""
+    (hsdp replicas would even hold different weights). ``groups``: the mesh's dimension groups,
+    outermost first (none: this process's own seed); broadcast along the innermost first, so
+    the value of coordinate (0, ..., 0) reaches every rank."""
     seed = torch.initial_seed()
     if not groups or not dist.is_initialized():
         return seed
