@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from hypothesis import assume
 from returns.result import Failure, Result, Success
@@ -160,3 +161,15 @@ def replicated(module: ModuleInfo) -> dict[str, object]:
 
 def managed(tree: ModuleTree, ignored: frozenset[str]) -> list[ParamInfo]:
     return [p for p in tree.params if p.fqn not in ignored]
+
+
+def timed(sections: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run a rank function's sections in order: their results, and each one's seconds."""
+    import time
+
+    out: dict[str, Any] = {"seconds": {}}
+    for name, fn in sections.items():
+        start = time.perf_counter()
+        out[name] = fn()
+        out["seconds"][name] = round(time.perf_counter() - start, 2)
+    return out

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _checks import timed
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -570,19 +571,8 @@ def data_facts() -> dict[str, Any]:
 
 
 # -- the rank functions --------------------------------------------------------------------------
-def _timed(sections: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    import time
-
-    out: dict[str, Any] = {"seconds": {}}
-    for name, fn in sections.items():
-        start = time.perf_counter()
-        out[name] = fn()
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
-    return out
-
-
 def two_ranks() -> dict[str, Any]:
-    return _timed(
+    return timed(
         {
             "data": data_facts,
             "loops": lambda: loop_cases(LOOP_CASES),
@@ -613,7 +603,7 @@ def gather_cases() -> dict[str, Any]:
 
 
 def four_ranks() -> dict[str, Any]:
-    return _timed(
+    return timed(
         {
             "loops": lambda: loop_cases(HSDP_LOOP_CASES),
             "optimizers": lambda: optimizer_cases(HSDP_OPTIMIZER_CASES),

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _checks import timed
 from torch import nn
 
 import fprep
@@ -639,19 +640,8 @@ def subgroup_facts() -> dict[str, Any]:
 
 
 # -- the rank functions ------------------------------------------------------------------------
-def _timed(sections: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    import time
-
-    out: dict[str, Any] = {"seconds": {}}
-    for name, fn in sections.items():
-        start = time.perf_counter()
-        out[name] = fn()
-        out["seconds"][name] = round(time.perf_counter() - start, 2)
-    return out
-
-
 def two_ranks() -> dict[str, Any]:
-    return _timed(
+    return timed(
         {
             "connect": connect_facts,  # first: no process group exists yet
             "fp32": lambda: train_interleaved(FP32_CASES),
