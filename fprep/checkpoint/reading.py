@@ -123,6 +123,18 @@ def _decode_plain(data: Any, what: str) -> Any:
     return decode(data, what, None)
 
 
+def _nothing_saved(arg: str, saved: str, kept: str, strict: bool, source: str) -> str:
+    """An object was passed whose state the checkpoint does not have: refused when strict,
+    else the note saying it was left as is."""
+    if strict:
+        raise CheckpointError(
+            f"{source} has no {saved}, but a {arg} was passed.",
+            subject=arg,
+            hint=f"Pass {arg}=None, or load with strict=False to keep its {kept}.",
+        )
+    return f"the checkpoint has no {saved}; the {arg} was left as is."
+
+
 def _plan(
     step_dir: Path,
     state: PrepState,
@@ -234,13 +246,7 @@ def _plan(
     scheduler_state = None
     if scheduler is not None:
         if manifest.scheduler is None:
-            if strict:
-                raise CheckpointError(
-                    f"{source} has no scheduler state, but a scheduler was passed.",
-                    subject="scheduler",
-                    hint="Pass scheduler=None, or load with strict=False to keep its state.",
-                )
-            notes.append("the checkpoint has no scheduler state; the scheduler was left as is.")
+            notes.append(_nothing_saved("scheduler", "scheduler state", "state", strict, source))
         else:
             scheduler_state = _decode_plain(manifest.scheduler, "the scheduler state")
             if not isinstance(scheduler_state, dict):
@@ -268,13 +274,9 @@ def _plan(
     loader_state = None
     if loader is not None:
         if record.loader is None:
-            if strict:
-                raise CheckpointError(
-                    f"{source} has no data-loader position, but a loader was passed.",
-                    subject="loader",
-                    hint="Pass loader=None, or load with strict=False to keep its position.",
-                )
-            notes.append("the checkpoint has no data-loader position; the loader was left as is.")
+            notes.append(
+                _nothing_saved("loader", "data-loader position", "position", strict, source)
+            )
         else:
             loader_state = _decode_plain(record.loader, "the data-loader position")
             if not same_world:
