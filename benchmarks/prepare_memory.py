@@ -13,8 +13,10 @@ thread each) prepare it four ways:
 * ``fprep``: ``fprep.prepare(model, PrepConfig(strategy="fsdp", wrap=Block))`` with the default
   ``reproducible_init=True`` (each module seeded from its FQN; the same weights for any world
   size);
-* ``fprep full``: ``fprep`` with every rank computing every module in full (what fprep does on
-  backends other than gloo), to show what sharing the computation between ranks saves;
+* ``fprep computed``: ``fprep`` without the row-local init (``init_rows``): every module's full
+  parameters computed once, on one rank, and the rows sent to the others (the way of inits that
+  are not row-local, and the default until the row-local path existed), to show what drawing
+  only this rank's rows saves;
 * ``fprep fast``: ``fprep`` with ``reproducible_init=False`` (each rank initializes its shards, as
   the hand-written loop does, but seeded per shard rank so the shards differ).
 
@@ -53,10 +55,10 @@ from fprep.testing.distributed import run_ranks
 
 DIM, HIDDEN, BLOCKS, WORLD = 1024, 4096, 24, 2
 TARGET = 1.05
-VARIANTS = ("torch", "fprep", "fprep full", "fprep fast")
+VARIANTS = ("torch", "fprep", "fprep computed", "fprep fast")
 MB = 1e6
-#: materialize's pure planning (where the rule for sharing the work lives)
-init_schedule: Any = importlib.import_module("fprep.apply.init_schedule")
+#: the materialize step (where the switch for the row-local path lives)
+materialize: Any = importlib.import_module("fprep.apply.materialize")
 
 
 class Block(nn.Module):
@@ -122,15 +124,14 @@ def hand_written(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _sharing(enabled: bool) -> Iterator[None]:
-    """``enabled=False``: every rank computes every module in full, as on non-gloo backends."""
-    saved = init_schedule.SHARING_BACKENDS
-    if not enabled:
-        init_schedule.SHARING_BACKENDS = frozenset()
+def _row_local(enabled: bool) -> Iterator[None]:
+    """``enabled=False``: every module computed in full (on gloo, once, rows sent)."""
+    saved = materialize.ROW_LOCAL
+    materialize.ROW_LOCAL = enabled
     try:
         yield
     finally:
-        init_schedule.SHARING_BACKENDS = saved
+        materialize.ROW_LOCAL = saved
 
 
 def _prepare(variant: str, model: nn.Module) -> nn.Module:
@@ -139,7 +140,7 @@ def _prepare(variant: str, model: nn.Module) -> nn.Module:
     cfg = fprep.PrepConfig(
         strategy="fsdp", wrap=Block, seed=0, reproducible_init=variant != "fprep fast"
     )
-    with _sharing(variant != "fprep full"):
+    with _row_local(variant != "fprep computed"):
         _, prepared = fprep.prepare(model, cfg)
     return prepared
 
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     labels = {
         "torch": "torch (hand-written)",
         "fprep": "fprep reproducible_init",
-        "fprep full": "  (every rank computes all)",
+        "fprep computed": "  (full computation)",
         "fprep fast": "fprep reproducible=False",
     }
     for variant in variants:

@@ -1,7 +1,8 @@
 """The materialize step: its pure core (property tests), and what it does on 1, 2 and 3 gloo ranks.
 
-Reproducible mode must give bitwise the same full parameters for every world size, whether the
-ranks share the computation (gloo) or every rank computes everything (other backends); a module
+Reproducible mode must give bitwise the same full parameters for every world size, whether each
+rank draws only its own rows (row-local inits, ``init_rows``), the ranks share the full
+computation (other inits, on gloo) or every rank computes everything (other backends); a module
 computed on one rank that fails must fail every rank, not leave them waiting. Non-reproducible
 mode must give each shard rank its own numbers (raw FSDP2 on a CPU mesh gives every rank the same
 ones), deterministically for a given world size, with buffers that agree.
@@ -29,9 +30,10 @@ from fprep.sharding import shard_shape
 from fprep.state import ShardSpec
 from fprep.testing.distributed import run_ranks
 
-#: materialize's pure planning, and its per-module jobs
+#: materialize's pure planning, its per-module jobs, and the step itself
 S: Any = importlib.import_module("fprep.apply.init_schedule")
 J: Any = importlib.import_module("fprep.apply.init_jobs")
+M: Any = importlib.import_module("fprep.apply.materialize")
 
 SEED = 11
 TIMEOUT_S = 240.0
@@ -146,6 +148,18 @@ class Parent(nn.Module):
         nn.init.constant_(self.child.bias, 0.25)
 
 
+class Rotation(nn.Module):
+    """An init that is not row-local (a QR of the whole matrix): computed in full, on one rank
+    where the ranks share the work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(9, 4))
+
+    def reset_parameters(self) -> None:
+        nn.init.orthogonal_(self.weight)
+
+
 class Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -174,6 +188,7 @@ class Mixed(nn.Module):
         self.norm = nn.LayerNorm(6)
         self.noisy = Noisy()
         self.parent = Parent()
+        self.rotation = Rotation()
         self.head = nn.Linear(6, 37, bias=False)
         self.head.weight = self.emb.weight  # tied: the embedding's init wins
         if broken:
@@ -194,7 +209,7 @@ def _prepare(model: nn.Module, **kw: Any) -> tuple[fprep.PrepState, nn.Module]:
 def _counting_inits() -> Iterator[dict[str, int]]:
     """Count ``reset_parameters`` calls per class on this rank (a rank process only)."""
     calls: dict[str, int] = {}
-    classes = (nn.Linear, nn.Embedding, nn.LayerNorm, Noisy, Parent)
+    classes = (nn.Linear, nn.Embedding, nn.LayerNorm, Noisy, Parent, Rotation)
     saved = {cls: cls.reset_parameters for cls in classes}
 
     def counted(cls: type[nn.Module]) -> Any:
@@ -235,6 +250,16 @@ def _every_rank_computes_everything() -> Iterator[None]:
         S.SHARING_BACKENDS = saved
 
 
+@contextlib.contextmanager
+def _full_computation_only() -> Iterator[None]:
+    """No row-local init: every module computed in full (the path of inits that are not)."""
+    M.ROW_LOCAL = False
+    try:
+        yield
+    finally:
+        M.ROW_LOCAL = True
+
+
 def materialize_facts() -> dict[str, Any]:
     """Everything the multi-rank tests check, from one spawn per world size."""
     import warnings
@@ -255,6 +280,14 @@ def materialize_facts() -> dict[str, Any]:
     with _every_rank_computes_everything():
         _, model = _prepare(meta_mixed())
     out["full"] = _full(model)
+    # reproducible without the row-local path: the full computation, shared and not
+    model = meta_mixed()
+    with _full_computation_only(), _counting_inits() as calls:
+        _, model = _prepare(model)
+    out["computed"], out["computed_calls"] = _full(model), calls
+    with _full_computation_only(), _every_rank_computes_everything():
+        _, model = _prepare(meta_mixed())
+    out["computed_full"] = _full(model)
     # non-reproducible: this rank's shards, twice, whatever the global RNG did in between
     runs = []
     for _ in range(2):
@@ -296,27 +329,36 @@ UNSEEDED = 1000  # rank r seeds its global RNG with UNSEEDED + r
 
 
 @pytest.fixture(scope="module")
-def one_rank() -> W.Params:
-    _, model = _prepare(meta_mixed())
-    return W.full_params(model)
+def one_rank() -> dict[str, W.Params]:
+    _, rows = _prepare(meta_mixed())
+    with _full_computation_only():
+        _, computed = _prepare(meta_mixed())
+    return {"rows": W.full_params(rows), "computed": W.full_params(computed)}
 
 
 @pytest.mark.slow
 @needs_gloo
 def test_full_parameters_are_bitwise_the_same_for_1_2_and_3_ranks(
-    facts: dict[int, list[dict[str, Any]]], one_rank: W.Params
+    facts: dict[int, list[dict[str, Any]]], one_rank: dict[str, W.Params]
 ) -> None:
+    modes = {"shared": "rows", "full": "rows", "computed": "computed", "computed_full": "computed"}
     for world, ranks in facts.items():
-        for mode in ("shared", "full"):
-            params = W.load(ranks[0][mode])
-            assert sorted(params) == sorted(one_rank)
-            for name, tensor in one_rank.items():
+        for mode, way in modes.items():
+            params, expected = W.load(ranks[0][mode]), one_rank[way]
+            assert sorted(params) == sorted(expected)
+            for name, tensor in expected.items():
                 assert torch.equal(params[name], tensor), f"{mode}, {world} ranks: {name}"
         for rank in ranks:
             assert rank["rng_restored"] and rank["tied"] and rank["shapes"] == []
-    # the tied head kept the embedding's init, and the child's init came after its parent's
-    assert torch.equal(one_rank["head.weight"], one_rank["emb.weight"])
-    assert not torch.all(one_rank["parent.child.bias"] == 0.25)
+    for params in one_rank.values():
+        # the tied head kept the embedding's init, and the child's init came after its parent's
+        assert torch.equal(params["head.weight"], params["emb.weight"])
+        assert not torch.all(params["parent.child.bias"] == 0.25)
+        # the init that is not row-local ran for real: orthonormal columns
+        q = params["rotation.weight"]
+        assert torch.allclose(q.T @ q, torch.eye(4), atol=1e-5)
+    # the two ways draw different numbers (a module always goes the same way, whatever the world)
+    assert not torch.equal(one_rank["rows"]["odd.weight"], one_rank["computed"]["odd.weight"])
 
 
 @pytest.mark.slow
@@ -336,15 +378,35 @@ def test_without_a_seed_every_rank_uses_the_first_ranks(
 
 @pytest.mark.slow
 @needs_gloo
-def test_ranks_share_the_work(facts: dict[int, list[dict[str, Any]]]) -> None:
-    """Shareable modules are computed once across the ranks; the others on every rank; the
-    tied head, whose init would be thrown away, nowhere."""
+def test_row_local_inits_run_on_every_rank_and_the_others_are_shared(
+    facts: dict[int, list[dict[str, Any]]],
+) -> None:
+    """Row-local inits run once on every rank (each drawing its own rows); an init that is not
+    (the rotation) is tried on every rank, then computed in full on one; the tied head, whose
+    init would be thrown away, nowhere."""
     for world, ranks in facts.items():
-        calls = [rank["calls"] for rank in ranks]
-        names = ("Linear", "Embedding", "LayerNorm")
+        for calls in (rank["calls"] for rank in ranks):
+            # Linear: odd, one, low, empty, frozen, parent.child (not head: tied to emb)
+            assert {k: calls[k] for k in ("Linear", "Embedding", "LayerNorm")} == {
+                "Linear": 6,
+                "Embedding": 1,
+                "LayerNorm": 1,
+            }
+            assert calls["Noisy"] == calls["Parent"] == 1
+        rotations = sorted(rank["calls"]["Rotation"] for rank in ranks)
+        assert rotations == [1] * (world - 1) + [2], world
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_the_full_computation_is_shared_out(facts: dict[int, list[dict[str, Any]]]) -> None:
+    """Without the row-local path, shareable modules are computed once across the ranks; the
+    others on every rank."""
+    for world, ranks in facts.items():
+        calls = [rank["computed_calls"] for rank in ranks]
+        names = ("Linear", "Embedding", "LayerNorm", "Rotation")
         total = {name: sum(c.get(name, 0) for c in calls) for name in names}
-        # Linear: odd, one, low, empty, frozen, parent.child (not head: tied to emb)
-        assert total == {"Linear": 6, "Embedding": 1, "LayerNorm": 1}, world
+        assert total == {"Linear": 6, "Embedding": 1, "LayerNorm": 1, "Rotation": 1}, world
         assert all(c.get("Linear", 0) < 6 for c in calls)  # nobody computed them all
         for name in ("Noisy", "Parent"):
             assert [c[name] for c in calls] == [1] * world, name

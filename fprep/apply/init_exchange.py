@@ -122,21 +122,43 @@ def run_phase(
     progress.advance(len(jobs) - owners.count(rank))
 
 
-def check_same_modules(fqns: Sequence[str], group: Any, device: torch.device) -> None:
-    """Refuse, on every rank, when the shard group's ranks would materialize different modules
-    (some ranks built the model on the meta device, others not): the ranks would otherwise wait
-    for each other's transfers forever, or train from different weights."""
+def _same_everywhere(fqns: Sequence[str], group: Any, device: torch.device) -> bool:
+    """Whether every rank of ``group`` passed the same list (one all-reduce of its length and
+    CRC, and of their negatives: the maximum of both is the same only if every rank agrees)."""
     mine = [len(fqns), zlib.crc32("\n".join(fqns).encode())]
     both = torch.tensor([*mine, *(-x for x in mine)], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[:2].tolist(), [-x for x in both[2:].tolist()]
-    if high != low:
+    return bool(high == low)
+
+
+def check_same_modules(fqns: Sequence[str], group: Any, device: torch.device) -> None:
+    """Refuse, on every rank, when the shard group's ranks would materialize different modules
+    (some ranks built the model on the meta device, others not): the ranks would otherwise wait
+    for each other's transfers forever, or train from different weights."""
+    if not _same_everywhere(fqns, group, device):
         raise PrepareError(
             "the ranks disagree about which modules are on the meta device (this rank: "
             f"{len(fqns)} modules); every rank must build the model the same way.",
             subject="materialize",
             hint="Build the model on the meta device on every rank, or load real weights on "
             "rank 0 and set sync_module_states=True.",
+        )
+
+
+def check_same_fallbacks(fqns: Sequence[str], group: Any, device: torch.device) -> None:
+    """Refuse, on every rank, when the ranks disagree about which modules' init was not
+    row-local (an init that does something else on some ranks): they would otherwise wait for
+    each other's rows forever."""
+    if not _same_everywhere(fqns, group, device):
+        shown = ", ".join(repr(f) for f in fqns[:5]) or "none"
+        raise PrepareError(
+            "the ranks disagree about which modules need their full parameters computed "
+            f"(this rank: {len(fqns)}: {shown}); their initialization must do the same on "
+            "every rank.",
+            subject="materialize",
+            hint="Make reset_parameters() (or your param_init_fn) independent of the rank, "
+            "or set reproducible_init=False.",
         )
 
 

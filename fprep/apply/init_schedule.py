@@ -6,6 +6,7 @@ tests/test_materialize.py). See ``fprep.apply.materialize`` for how they are use
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import zlib
 from collections.abc import Sequence
@@ -16,6 +17,11 @@ from fprep.state import ShardSpec
 #: Byte alignment of views carved from a scratch buffer: at least what a fresh allocation gets
 #: (64 bytes on CPU, 512 with the CUDA caching allocator), so kernels see the same alignment.
 ALIGN = 512
+#: Elements per block of rows that a row-local random fill draws from one generator (see
+#: ``fprep.apply.init_rows``): big enough that seeding a generator per block costs nothing
+#: (256 Ki elements take ~0.6 ms to draw on a CPU core), small enough that the rows a rank draws
+#: only to throw away (at most one partial block at each end of its shard) cost little.
+BLOCK_ELEMENTS = 1 << 18
 #: Backends whose shard groups share the full computation (see the module docstring).
 SHARING_BACKENDS = frozenset({"gloo"})
 
@@ -89,3 +95,29 @@ def row_span(spec: ShardSpec, world: int, rank: int) -> tuple[int, int]:
     start = spec.padded_shape[0] * rank
     rows = local_rows(spec.shape[0], world, rank) if all(spec.shape[1:]) else 0
     return start, start + rows
+
+
+def block_rows(shape: Sequence[int], elements: int = BLOCK_ELEMENTS) -> int:
+    """Rows per block of a parameter of ``shape``: a function of the full shape alone, so that
+    every world size cuts the same blocks. A 0-dim parameter is one row."""
+    row = 1
+    for n in shape[1:]:
+        row *= n
+    return max(1, elements // max(row, 1))
+
+
+def blocks_over(start: int, stop: int, rows: int, per_block: int) -> list[tuple[int, int]]:
+    """The blocks ``[lo, hi)`` of a parameter with ``rows`` rows, cut every ``per_block`` rows,
+    that rows ``[start, stop)`` touch, in order."""
+    if start >= stop:
+        return []
+    first, last = start // per_block, (stop - 1) // per_block
+    return [(b * per_block, min(rows, (b + 1) * per_block)) for b in range(first, last + 1)]
+
+
+def block_seed(seed: int, name: str, draw: int, block: int) -> int:
+    """The seed of one block of one random fill of one parameter: a 63-bit hash of all four, so
+    blocks, fills and parameters draw unrelated streams (the CPU generator keeps only the low 32
+    bits of a seed, so neighbouring integers would not do)."""
+    key = f"{seed}\x00{name}\x00{draw}\x00{block}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1

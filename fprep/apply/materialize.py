@@ -1,25 +1,25 @@
 """materialize: turn meta-device parameters into real ones, as the plan says.
 
-Runs after sharding, so a sharded rank only ever allocates its own shards plus, in reproducible
-mode, one module's full parameters at a time, in one scratch buffer reused for every module
-(fresh full-size tensors per module cost about as much in page faults as the init itself).
+Runs after sharding, so a sharded rank only ever allocates its own shards.
 
 Reproducible mode (``PrepConfig.reproducible_init=True``, the default) seeds each module from
-``(seed, module FQN)``, computes its full parameters and keeps this rank's rows. The result is
-the same for any world size — 1, 2 or 3 ranks give bitwise the same full parameters — which raw
-FSDP2 (each rank running ``reset_parameters`` on its shard) does not give. Who computes:
+``(seed, module FQN)`` and gives the same full parameters for any world size — 1, 2 or 3 ranks
+give bitwise the same — which raw FSDP2 (each rank running ``reset_parameters`` on its shard)
+does not give. Two ways, tried in this order for each module:
 
-* on gloo (CPU), the ranks of a shard group share the work: each module is computed in full on
-  one rank (largest first, to the rank with the least work so far), which sends every other
-  rank its rows, point to point, straight into their shards; each rank computes about
-  ``1/world`` of the model. On a CPU, drawing the random numbers (~0.4 G elements/s per core)
-  costs more than moving the bytes: at 2 ranks this took 20-35% less CPU time than
-  every rank computing everything (benchmarks/prepare_memory.py), and the gap grows with the
-  world size. Only leaf modules without buffers whose parameters are all sharded are shared;
-  the others (a module whose init may write its children's parameters, as
-  ``nn.MultiheadAttention`` does, or one with buffers) are computed on every rank, in plan
-  order.
-* on other backends (NCCL, HCCL, ...) every rank computes every module in full: accelerators
+* row-local (``init_rows``): the module's init runs on windows onto this rank's rows, random
+  fills drawn per fixed block of rows from generators seeded per block, so each rank draws only
+  its own numbers (what raw FSDP2 costs) and the blocks make the result world-size independent.
+  An init that does anything a window cannot do on its rows alone is put back as it was and goes
+  the second way; which way a module goes never depends on the world size.
+* full computation (``init_jobs``): the module's full parameters are computed on stand-ins in
+  one scratch buffer reused for every module, and each rank keeps its rows. On gloo (CPU), the
+  ranks of a shard group share this work: each module is computed in full on one rank (largest
+  first, to the rank with the least work so far), which sends every other rank its rows, point
+  to point, straight into their shards. Only leaf modules without buffers whose parameters are
+  all sharded are shared; the others (a module whose init may write its children's parameters,
+  as ``nn.MultiheadAttention`` does, or one with buffers) are computed on every rank, in plan
+  order. On other backends (NCCL, HCCL, ...) every rank computes them in full: accelerators
   draw random numbers at memory bandwidth, faster than an interconnect moves them.
 
 Non-reproducible mode (``reproducible_init=False``) initializes each rank's shards in place,
@@ -33,9 +33,10 @@ its canonical (first-registered) owner's initialization gives it, as in eager co
 Ranks exchange anything here only after checking that they all materialize the same modules,
 and never with ``sync_module_states`` (rank 0's weights overwrite the others' anyway).
 
-Pieces: ``init_schedule`` (pure: seeds, scratch layout, who computes what, which rows),
-``init_jobs`` (one module's seeded init on its stand-ins), ``init_exchange`` (sharing the work
-over gloo, and failing on every rank together); this module is the step that runs them.
+Pieces: ``init_schedule`` (pure: seeds, blocks, scratch layout, who computes what, which rows),
+``init_rows`` (the row-local way), ``init_jobs`` (one module's seeded init on full-size
+stand-ins), ``init_exchange`` (sharing the work over gloo, and failing on every rank together);
+this module is the step that runs them.
 """
 
 from __future__ import annotations
@@ -46,12 +47,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fprep.apply.init_exchange import broadcast_buffers, check_same_modules, run_phase
+from fprep.apply.init_exchange import (
+    broadcast_buffers,
+    check_same_fallbacks,
+    check_same_modules,
+    run_phase,
+)
 from fprep.apply.init_jobs import Init, Scratch, job_for, run_everywhere
+from fprep.apply.init_rows import init_by_rows
 from fprep.apply.init_schedule import schedule, shares_work
 from fprep.apply.steps import handles_of, step
 from fprep.progress import Progress
 from fprep.state import PrepState, ShardSpec, need
+
+#: Reproducible mode tries the row-local init first (``init_rows``); tests and
+#: benchmarks/prepare_memory.py turn it off to measure the full computation alone.
+ROW_LOCAL = True
 
 
 def _initializer(state: PrepState) -> Init:
@@ -155,6 +166,7 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
             and (dist.get_rank(group), dist.get_world_size(group)) == (rank, world)
         )
         work = schedule([sharing and job.shareable for job in todo])
+        by_rows = cfg.reproducible_init and ROW_LOCAL
         scratch = Scratch(todo)
         progress = Progress(
             "fprep: materialize", len(jobs), enabled=None if state.topology.rank == 0 else False
@@ -164,11 +176,18 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
             for item in work:
                 if isinstance(item, int):
                     job = todo[item]
-                    run_everywhere(job, init, scratch, device, world, rank)
+                    if not (by_rows and init_by_rows(job, init, device, world, rank)):
+                        run_everywhere(job, init, scratch, device, world, rank)
                     if job.broadcast_buffers and group is not None:
                         broadcast_buffers(job.module, group, device)
                     progress.advance()
-                else:
-                    phase = [todo[i] for i in item]
+                    continue
+                phase = [todo[i] for i in item]
+                if by_rows:
+                    phase = [j for j in phase if not init_by_rows(j, init, device, world, rank)]
+                    progress.advance(len(item) - len(phase))
+                    assert group is not None  # phases exist only where ranks share the work
+                    check_same_fallbacks([j.fqn for j in phase], group, device)
+                if phase:
                     run_phase(phase, init, scratch, device, group, world, rank, progress)
     return state, model

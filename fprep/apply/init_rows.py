@@ -1,0 +1,311 @@
+"""Reproducible init that touches only this rank's rows: the fast path of materialize.
+
+Each of a module's parameters is replaced, for its init, by a ``RowWindow``: a tensor subclass
+with the full parameter's shape whose data is only the rows ``[start, stop)`` this rank keeps
+(its shard; every row of a parameter that is not sharded; none of a tied parameter whose values
+come from another module). The module's own init runs unchanged, and each op it issues on the
+window reaches ``__torch_dispatch__``, which applies it to those rows:
+
+* a random fill (``uniform_``, ``normal_``, ...) is drawn per fixed block of rows
+  (``init_schedule.block_rows``: a function of the full shape), each block from a generator
+  seeded by (module seed, parameter, fill number, block). A block's values do not depend on which
+  rank draws it, so the full parameter is the same for every world size, while a rank draws only
+  the blocks its rows touch;
+* in-place pointwise ops (``fill_``, ``zero_``, ``mul_``, ``clamp_``, ...) and ``copy_`` apply to
+  the rows (another tensor operand is sliced to them, or broadcast);
+* ``detach`` (``.data``), ``select`` and ``slice`` give windows onto the same rows (a random fill
+  of a ``select``/``slice`` view is not row-local: it would need a seed per view).
+
+Anything else (reading values, a reduction, a new tensor made from the parameter: ``orthogonal_``'s
+QR, ``trunc_normal_``'s rejection loop, an explicit generator) raises ``NotRowLocal``, and
+materialize computes that module the other way (full tensors from the module's seed,
+``init_jobs``). Which way a module goes depends on its init code and the full shapes, never on
+the world size, so both ways are reproducible; the two give different numbers for a module, but a
+module always goes the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fprep.apply.init_jobs import Init, Job, check_shard, seeded
+from fprep.apply.init_schedule import (
+    BLOCK_ELEMENTS,
+    block_rows,
+    block_seed,
+    blocks_over,
+    row_span,
+)
+
+aten = torch.ops.aten
+
+#: Random fills: every one takes ``generator=`` and fills ``self`` in place.
+RANDOM_FILLS = frozenset(
+    {
+        aten.uniform_.default,
+        aten.normal_.default,
+        aten.bernoulli_.float,
+        aten.exponential_.default,
+        aten.log_normal_.default,
+        aten.cauchy_.default,
+        aten.geometric_.default,
+        aten.random_.default,
+        getattr(aten.random_, "from"),
+        aten.random_.to,
+    }
+)
+#: In-place ops that write ``self`` element by element but carry no ``pointwise`` tag.
+ELEMENTWISE = frozenset(
+    {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+)
+ALIASES = frozenset({aten.detach.default, aten.alias.default})
+
+
+class NotRowLocal(Exception):
+    """The init did something a window cannot do on its rows alone."""
+
+
+@dataclass(eq=False)
+class Fills:
+    """One parameter's random fills so far: each fill gets its own block seeds."""
+
+    seed: int
+    name: str
+    per_block: int
+    count: int = 0
+    drawn: int = 0  # elements this rank drew (test and benchmark evidence)
+    generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
+
+    def generator(self, device: torch.device, seed: int) -> torch.Generator:
+        gen = self.generators.get(device)
+        if gen is None:
+            gen = self.generators[device] = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
+
+
+class RowWindow(torch.Tensor):
+    """A full-shape stand-in whose data is only rows ``[start, start + len(rows))`` (``rows``
+    None: no row is on this rank). ``fills`` is None on views (no random fills there)."""
+
+    rows: torch.Tensor | None
+    start: int
+    fills: Fills | None
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape: Sequence[int],
+        rows: torch.Tensor | None,
+        start: int,
+        fills: Fills | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> RowWindow:
+        window: RowWindow = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=device, requires_grad=False
+        )
+        window.rows, window.start, window.fills = rows, start, fills
+        return window
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"RowWindow(shape={tuple(self.shape)}, start={self.start})"
+
+    def _like(
+        self, shape: Sequence[int], rows: torch.Tensor | None, start: int, fills: Fills | None
+    ) -> RowWindow:
+        return RowWindow(shape, rows, start, fills, dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self = args[0] if args else None
+        others = [*args[1:], *kwargs.values()]
+        if not isinstance(self, RowWindow) or any(isinstance(a, RowWindow) for a in others):
+            raise NotRowLocal(f"{func} on a parameter stand-in")
+        if func in ALIASES:
+            return self._like(self.shape, self.rows, self.start, self.fills)
+        if func in RANDOM_FILLS:
+            self._fill(func, args[1:], kwargs)
+            return self
+        if func is aten.select.int:
+            return self._select(*args[1:])
+        if func is aten.slice.Tensor:
+            return self._slice(*args[1:])
+        if func in ELEMENTWISE or (
+            torch.Tag.pointwise in func.tags and func._schema.arguments[0].is_write
+        ):
+            rest = [self._operand(a) for a in args[1:]]
+            named = {k: self._operand(v) for k, v in kwargs.items()}
+            if self.rows is not None:
+                func(self.rows, *rest, **named)
+            return self
+        raise NotRowLocal(f"{func} on a parameter stand-in")
+
+    # -- ops -------------------------------------------------------------------------------------
+    def _span(self) -> tuple[int, int]:
+        count = 0 if self.rows is None else (self.rows.shape[0] if self.dim() else 1)
+        return self.start, self.start + count
+
+    def _operand(self, value: Any) -> Any:
+        """Another operand, cut to this rank's rows where it has one value per row."""
+        if not isinstance(value, torch.Tensor) or value.dim() < self.dim() or not self.dim():
+            return value  # a scalar, or broadcast over the rows
+        if value.dim() == self.dim() and value.shape[0] == 1:
+            return value
+        if value.dim() == self.dim() and value.shape[0] == self.shape[0]:
+            start, stop = self._span()
+            return value[start:stop]
+        raise NotRowLocal("an operand with a row count of its own")
+
+    def _fill(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        fills = self.fills
+        if fills is None or kwargs.get("generator") is not None:
+            raise NotRowLocal("a random fill of a view, or with a generator of its own")
+        draw = fills.count
+        fills.count += 1
+        if self.rows is None:
+            return
+        rows = self.rows
+        if not self.dim():  # one row, one block
+            seed = block_seed(fills.seed, fills.name, draw, 0)
+            func(rows, *args, **{**kwargs, "generator": fills.generator(rows.device, seed)})
+            fills.drawn += 1
+            return
+        start, stop = self._span()
+        row = math.prod(self.shape[1:])
+        for lo, hi in blocks_over(start, stop, self.shape[0], fills.per_block):
+            seed = block_seed(fills.seed, fills.name, draw, lo // fills.per_block)
+            gen = fills.generator(rows.device, seed)
+            a, z = max(lo, start), min(hi, stop)
+            target = rows[a - start : z - start]
+            if (a, z) != (lo, hi) or not target.is_contiguous():
+                block = rows.new_empty((hi - lo, *self.shape[1:]))
+                func(block, *args, **{**kwargs, "generator": gen})
+                target.copy_(block[a - lo : z - lo])
+            else:  # drawn in place, as the same contiguous block shape would be anywhere
+                func(target, *args, **{**kwargs, "generator": gen})
+            fills.drawn += (hi - lo) * row
+
+    def _select(self, dim: int, index: int) -> RowWindow:
+        dim, shape = dim % self.dim(), [*self.shape]
+        index = index % shape[dim]
+        del shape[dim]
+        if dim:
+            rows = None if self.rows is None else self.rows.select(dim, index)
+            return self._like(shape, rows, self.start, None)
+        start, stop = self._span()
+        rows = self.rows[index - start] if self.rows is not None and start <= index < stop else None
+        return self._like(shape, rows, 0, None)
+
+    def _slice(
+        self, dim: int = 0, begin: int | None = None, end: int | None = None, step: int = 1
+    ) -> RowWindow:
+        dim, shape = dim % self.dim(), [*self.shape]
+        begin, end, _ = slice(begin, end, step).indices(shape[dim])
+        if step != 1:
+            raise NotRowLocal("a strided slice of a parameter stand-in")
+        shape[dim] = max(0, end - begin)
+        if dim:
+            rows = None if self.rows is None else self.rows.narrow(dim, begin, shape[dim])
+            return self._like(shape, rows, self.start, None)
+        start, stop = self._span()
+        a, z = max(begin, start), min(end, stop)
+        rows = self.rows[a - start : z - start] if self.rows is not None and a < z else None
+        return self._like(shape, rows, a - begin if rows is not None else 0, None)
+
+
+def window_for(
+    p: torch.Tensor,
+    rows: torch.Tensor | None,
+    start: int,
+    *,
+    seed: int,
+    name: str,
+    device: torch.device,
+    elements: int = BLOCK_ELEMENTS,
+) -> nn.Parameter:
+    """A window onto ``rows`` (rows ``start`` onwards of the full ``p``), as a parameter (a
+    ``RowWindow`` that ``isinstance(..., nn.Parameter)`` accepts, as its init may check)."""
+    if rows is not None and not rows.numel():
+        rows = None
+    fills = Fills(seed=seed, name=name, per_block=block_rows(p.shape, elements))
+    window = RowWindow(
+        p.shape,
+        rows,
+        start,
+        fills,
+        dtype=p.dtype,
+        device=rows.device if rows is not None else device,
+    )
+    return nn.Parameter(window, requires_grad=p.requires_grad)
+
+
+def _windows(job: Job, world: int, rank: int) -> dict[str, nn.Parameter]:
+    stand_ins = {s.name: s for s in job.stand_ins}
+    out: dict[str, nn.Parameter] = {}
+    for name, p in job.module._parameters.items():
+        if p is None:
+            continue
+        s = stand_ins.get(name)
+        rows: torch.Tensor | None
+        if s is None:  # not sharded: every row, in place
+            rows, start, device = p, 0, p.device
+        elif s.spec is None:  # tied: another module's init gives its values
+            rows, start, device = None, 0, s.device
+        else:
+            start, stop = row_span(s.spec, world, rank)
+            rows, device = check_shard(s)[: stop - start], s.device
+        out[name] = window_for(p, rows, start, seed=job.seed, name=name, device=device)
+    return out
+
+
+def init_by_rows(
+    job: Job,
+    init: Init,
+    device: torch.device,
+    world: int,
+    rank: int,
+) -> bool:
+    """Run ``job``'s init on row windows; whether every op it made was row-local.
+
+    On False, whatever the attempt did is for the full computation to overwrite: the module gets
+    back its parameters, its buffer table and its attributes as they were (an init that marks a
+    module done, as Hugging Face's does, must not skip the second run).
+    """
+    module = job.module
+    attributes, buffers = dict(module.__dict__), dict(module._buffers)
+    original = dict(module._parameters)
+    ok = False
+    try:
+        placed = _windows(job, world, rank)
+        module._parameters.update(placed)
+        with seeded(job.seed, device):
+            init(module)
+        ok = all(module._parameters.get(name) is w for name, w in placed.items())
+    except Exception:  # NotRowLocal, or anything the full computation will report
+        ok = False
+    finally:
+        module._parameters.clear()
+        module._parameters.update(original)
+    if not ok:
+        module.__dict__.clear()
+        module.__dict__.update(attributes)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+    return ok
