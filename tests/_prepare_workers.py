@@ -665,6 +665,23 @@ def three_ranks() -> dict[str, Any]:
     return {"init": reproducible_init(), "shapes": check_shapes(3)}
 
 
+def hsdp_replicas_that_differ() -> tuple[str, str] | None:
+    """hsdp 2 x 2: replica 0 (ranks 0, 1) built on the meta device, replica 1 (ranks 2, 3) with
+    real weights. Each shard group agrees with itself; the replicas would train from different
+    weights. Every rank must refuse."""
+    rank, _ = rank_world()
+    if rank < 2:
+        with torch.device("meta"):
+            model = GPT(GPTConfig())
+    else:
+        model = GPT(GPTConfig())
+    try:
+        fprep.prepare(model, _gpt_cfg("hsdp", seed=INIT_SEED, hsdp_shard_size=2))
+    except fprep.PrepareError as e:
+        return (e.subject, str(e))
+    return None
+
+
 def four_ranks() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
@@ -689,6 +706,7 @@ def four_ranks() -> dict[str, Any]:
         "shapes": check_shapes(4),
         "init_hsdp": reproducible_init(strategy="hsdp"),
         "init_fsdp": reproducible_init(strategy="fsdp"),
+        "hsdp_replicas_differ": hsdp_replicas_that_differ(),
         "hsdp_sync": hsdp_sync_facts(),
         "subgroups": subgroup_facts(),
     }

@@ -274,6 +274,15 @@ def test_meta_init_is_world_size_independent_for_every_strategy(
     assert {four[0]["init_hsdp"]["strategy"], two[0]["init_ddp"]["strategy"]} == {"hsdp", "ddp"}
 
 
+def test_hsdp_replicas_built_differently_are_refused(four: list[dict[str, Any]]) -> None:
+    """Each shard group agrees with itself, but replica 1 holds real weights where replica 0
+    is on the meta device: refused on every rank (they would train from different weights)."""
+    for rank in four:
+        assert rank["hsdp_replicas_differ"] is not None
+        subject, message = rank["hsdp_replicas_differ"]
+        assert subject == "materialize" and "disagree" in message
+
+
 def test_unseeded_meta_init_works(two: list[dict[str, Any]]) -> None:
     """reproducible_init=False may give other values, but still real, finite, tied weights."""
     result = two[0]["init_unseeded"]

@@ -122,21 +122,24 @@ def run_phase(
     progress.advance(len(jobs) - owners.count(rank))
 
 
-def _same_everywhere(fqns: Sequence[str], group: Any, device: torch.device) -> bool:
-    """Whether every rank of ``group`` passed the same list (one all-reduce of its length and
-    CRC, and of their negatives: the maximum of both is the same only if every rank agrees)."""
+def _same_everywhere(fqns: Sequence[str], groups: Sequence[Any], device: torch.device) -> bool:
+    """Whether every rank of ``groups`` passed the same list: the maximum of its length and CRC,
+    and of their negatives, all-reduced over each group in turn (the dimensions of a mesh: the
+    maximum over each dimension in turn is the maximum over the whole mesh, on every rank)."""
     mine = [len(fqns), zlib.crc32("\n".join(fqns).encode())]
     both = torch.tensor([*mine, *(-x for x in mine)], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    for group in groups:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[:2].tolist(), [-x for x in both[2:].tolist()]
     return bool(high == low)
 
 
-def check_same_modules(fqns: Sequence[str], group: Any, device: torch.device) -> None:
-    """Refuse, on every rank, when the shard group's ranks would materialize different modules
-    (some ranks built the model on the meta device, others not): the ranks would otherwise wait
-    for each other's transfers forever, or train from different weights."""
-    if not _same_everywhere(fqns, group, device):
+def check_same_modules(fqns: Sequence[str], groups: Sequence[Any], device: torch.device) -> None:
+    """Refuse, on every rank, when the ranks of ``groups`` (a mesh's dimensions) would
+    materialize different modules (some ranks built the model on the meta device, others not):
+    the ranks would otherwise wait for each other's transfers forever, or train from different
+    weights."""
+    if not _same_everywhere(fqns, groups, device):
         raise PrepareError(
             "the ranks disagree about which modules are on the meta device (this rank: "
             f"{len(fqns)} modules); every rank must build the model the same way.",
@@ -150,7 +153,7 @@ def check_same_fallbacks(fqns: Sequence[str], group: Any, device: torch.device) 
     """Refuse, on every rank, when the ranks disagree about which modules' init was not
     row-local (an init that does something else on some ranks): they would otherwise wait for
     each other's rows forever."""
-    if not _same_everywhere(fqns, group, device):
+    if not _same_everywhere(fqns, [group], device):
         shown = ", ".join(repr(f) for f in fqns[:5]) or "none"
         raise PrepareError(
             "the ranks disagree about which modules need their full parameters computed "

@@ -120,11 +120,19 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
     cfg = state.config
     # Ranks talk to each other here only where every rank materializes the same modules. With
     # sync_module_states, rank 0 may hold real weights while the others hold meta tensors,
-    # and whatever the others compute is overwritten by rank 0's weights anyway.
-    group = None
-    if core.is_sharded and world > 1 and not cfg.sync_module_states:
-        group = live.process_group
-        check_same_modules(plan.modules, group, device)
+    # and whatever the others compute is overwritten by rank 0's weights anyway. Checked over
+    # every mesh dimension: hsdp replicas that built the model differently would train from
+    # different weights.
+    mesh_groups: list[Any] = []
+    if core.is_sharded and pg.world_size > 1 and not cfg.sync_module_states:
+        mesh = live.mesh
+        mesh_groups = (
+            [mesh.get_group(d) for d in range(mesh.ndim)]
+            if mesh is not None
+            else [live.process_group]
+        )
+        check_same_modules(plan.modules, mesh_groups, device)
+    group = live.process_group if mesh_groups and world > 1 else None
     if plan.method == "none":
         return state, model
     storage = torch.device("cpu") if core.offload == "cpu" else device
@@ -133,10 +141,7 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
     if seed is None:
         # Only where every rank materializes (checked above); DDP, fast_ddp and
         # sync_module_states overwrite the other ranks' weights with rank 0's anyway.
-        mesh = live.mesh
-        agree = group is not None and mesh is not None
-        groups = [mesh.get_group(d) for d in range(mesh.ndim)] if agree else []
-        seed = _agreed_initial_seed(groups, device)
+        seed = _agreed_initial_seed(mesh_groups, device)
     specs = {name: s for s in (*handles.specs, *handles.ignored) for name in s.names}
     modules = [(fqn, model.get_submodule(fqn)) for fqn in plan.modules]
     with torch.no_grad():
