@@ -11,6 +11,8 @@ preparations in one process must not interfere).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import io
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -77,6 +79,27 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     raise ValueError(name)
+
+
+def local_shards(model: nn.Module) -> Params:
+    """Every parameter's local tensor (its shard where sharded), as a copy."""
+    return {
+        name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+@contextlib.contextmanager
+def every_rank_computes_everything() -> Iterator[None]:
+    """Materialize as on other backends than gloo: no rows sent, every rank computes the
+    modules whose init is not row-local (a rank process, or a fake world, which moves no rows)."""
+    schedule: Any = importlib.import_module("fprep.apply.init_schedule")
+    saved = schedule.SHARING_BACKENDS
+    schedule.SHARING_BACKENDS = frozenset()
+    try:
+        yield
+    finally:
+        schedule.SHARING_BACKENDS = saved
 
 
 def full_params(model: nn.Module, *, rank0_only: bool = True) -> Params:

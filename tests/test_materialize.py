@@ -232,24 +232,6 @@ def _full(model: nn.Module) -> bytes:
     return W.dump(W.full_params(model))
 
 
-def _local_shards(model: nn.Module) -> W.Params:
-    return {
-        name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-        for name, p in model.named_parameters()
-    }
-
-
-@contextlib.contextmanager
-def _every_rank_computes_everything() -> Iterator[None]:
-    """What fprep does on other backends than gloo (a rank process only)."""
-    saved = S.SHARING_BACKENDS
-    S.SHARING_BACKENDS = frozenset()
-    try:
-        yield
-    finally:
-        S.SHARING_BACKENDS = saved
-
-
 @contextlib.contextmanager
 def _full_computation_only() -> Iterator[None]:
     """No row-local init: every module computed in full (the path of inits that are not)."""
@@ -277,7 +259,7 @@ def materialize_facts() -> dict[str, Any]:
     out["tied"] = model.head.weight is model.emb.weight
     out["shapes"] = W.plan_vs_reality(state, model)[1]
     # reproducible, every rank computing everything (the rule on other backends)
-    with _every_rank_computes_everything():
+    with W.every_rank_computes_everything():
         _, model = _prepare(meta_mixed())
     out["full"] = _full(model)
     # reproducible without the row-local path: the full computation, shared and not
@@ -285,7 +267,7 @@ def materialize_facts() -> dict[str, Any]:
     with _full_computation_only(), _counting_inits() as calls:
         _, model = _prepare(model)
     out["computed"], out["computed_calls"] = _full(model), calls
-    with _full_computation_only(), _every_rank_computes_everything():
+    with _full_computation_only(), W.every_rank_computes_everything():
         _, model = _prepare(meta_mixed())
     out["computed_full"] = _full(model)
     # non-reproducible: this rank's shards, twice, whatever the global RNG did in between
@@ -294,7 +276,7 @@ def materialize_facts() -> dict[str, Any]:
         rng = torch.get_rng_state()
         _, model = _prepare(meta_mixed(), reproducible_init=False)
         out["fast_rng_restored"] = torch.equal(rng, torch.get_rng_state())
-        runs.append(W.dump(_local_shards(model)))
+        runs.append(W.dump(W.local_shards(model)))
         out["fast_noise"] = W.dump({"noise": model.noisy.noise})
         out["fast_tied"] = model.head.weight is model.emb.weight
         torch.rand(100)  # move the global RNG on: the result must not depend on it

@@ -11,12 +11,10 @@ The multi-process tests in test_materialize.py cover gloo's sharing of the rest.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
+import _prepare_workers as W
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,8 +22,6 @@ from torch import nn
 
 import fprep
 from fprep.testing.distributed import fake_world
-
-S: Any = importlib.import_module("fprep.apply.init_schedule")
 
 Spec = tuple[tuple[str, int, int], ...]
 
@@ -100,17 +96,6 @@ KINDS = ("linear", "embedding", "norm", "conv", "rotation", "noisy", "parent")
 parts = st.tuples(st.sampled_from(KINDS), st.integers(1, 37), st.integers(1, 5))
 
 
-@contextlib.contextmanager
-def _no_sharing() -> Iterator[None]:
-    """The fake group moves no rows: every rank computes what is not row-local."""
-    saved = S.SHARING_BACKENDS
-    S.SHARING_BACKENDS = frozenset()
-    try:
-        yield
-    finally:
-        S.SHARING_BACKENDS = saved
-
-
 def _prepared(spec: Spec, tie: bool, wrap: bool, world: int, rank: int) -> dict[str, Any]:
     with torch.device("meta"):
         model = Drawn(spec, tie)
@@ -123,10 +108,7 @@ def _prepared(spec: Spec, tie: bool, wrap: bool, world: int, rank: int) -> dict[
             _, model = fprep.prepare(
                 model, cfg, topology=fprep.Topology(world_size=world, rank=rank)
             )
-    out: dict[str, Any] = {
-        name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-        for name, p in model.named_parameters()
-    }
+    out: dict[str, Any] = W.local_shards(model)
     out.update({name: b.clone() for name, b in model.named_buffers()})
     out["tied"] = model.head.weight is model.emb.weight
     return out
@@ -144,7 +126,7 @@ def test_shards_put_together_are_the_single_process_parameters(
 ) -> None:
     one = _prepared(spec, tie, wrap, 1, 0)
     assert one["tied"] is tie
-    with _no_sharing():
+    with W.every_rank_computes_everything():
         ranks = [_prepared(spec, tie, wrap, world, rank) for rank in range(world)]
     for name, full in one.items():
         if name == "tied":
