@@ -54,6 +54,18 @@ def _copied(module: nn.Module) -> None:
         w[2:].mul_(2.0)
 
 
+def _truncated(module: nn.Module) -> None:
+    """The inverse-CDF truncated normal (timm's, and torch's before rejection sampling)."""
+    lo, hi = (
+        (1.0 + math.erf(-2.0 / math.sqrt(2.0))) / 2.0,
+        (1.0 + math.erf(2.0 / math.sqrt(2.0))) / 2.0,
+    )
+    w = module.weight
+    w.uniform_(2 * lo - 1, 2 * hi - 1)
+    w.erfinv_()
+    w.mul_(0.02 * math.sqrt(2.0)).add_(0.0).clamp_(min=-2.0, max=2.0)
+
+
 def _twice(module: nn.Module) -> None:
     """Two fills of one parameter draw different numbers (each fill has its own seeds)."""
     nn.init.normal_(module.weight)
@@ -77,6 +89,7 @@ INITS: dict[str, tuple[Callable[[tuple[int, int]], nn.Module], Init]] = {
     "scaled": (lambda s: nn.Linear(s[1] or 1, s[0], bias=False), _scaled),
     "copied": (lambda s: nn.Linear(s[1] or 1, s[0], bias=False), _copied),
     "twice": (lambda s: nn.Linear(s[1] or 1, s[0], bias=False), _twice),
+    "truncated": (lambda s: nn.Linear(s[1] or 1, s[0], bias=False), _truncated),
 }
 
 
