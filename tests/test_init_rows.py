@@ -203,6 +203,15 @@ def test_what_is_not_row_local_is_refused(init: Init) -> None:
         _on_rank(lambda: nn.Linear(4, 6), init, 2, 0, S.BLOCK_ELEMENTS)
 
 
+def test_an_op_that_fails_fails_on_every_rank_even_one_without_rows() -> None:
+    """A 2-row weight at 3 ranks: rank 2 holds no row, yet the broken op fails there too (ops
+    run on zero rows), so no rank takes another way than the others."""
+    make = lambda: nn.Linear(4, 2, bias=False)  # noqa: E731
+    for rank in range(3):
+        with pytest.raises(RuntimeError, match="size"):
+            _on_rank(make, lambda m: m.weight.add_(torch.ones(3)), 3, rank, S.BLOCK_ELEMENTS)
+
+
 def _job(module: nn.Module) -> Any:
     return J.Job(
         fqn="m",

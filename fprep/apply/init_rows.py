@@ -90,11 +90,17 @@ class Fills:
         return gen
 
 
-class RowWindow(torch.Tensor):
-    """A full-shape stand-in whose data is only rows ``[start, start + len(rows))`` (``rows``
-    None: no row is on this rank). ``fills`` is None on views (no random fills there)."""
+def _nothing(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The rows of a window none of whose rows are on this rank: zero rows (a scratch scalar for
+    a 0-dim window). Ops still run on them, so an op that fails fails on every rank alike."""
+    return torch.empty((0, *shape[1:]) if len(shape) else (), dtype=dtype, device=device)
 
-    rows: torch.Tensor | None
+
+class RowWindow(torch.Tensor):
+    """A full-shape stand-in whose data is only rows ``[start, start + len(rows))`` (a 0-dim
+    window: its one value). ``fills`` is None on views (no random fills there)."""
+
+    rows: torch.Tensor
     start: int
     fills: Fills | None
 
@@ -102,7 +108,7 @@ class RowWindow(torch.Tensor):
     def __new__(
         cls,
         shape: Sequence[int],
-        rows: torch.Tensor | None,
+        rows: torch.Tensor,
         start: int,
         fills: Fills | None,
         *,
@@ -121,7 +127,7 @@ class RowWindow(torch.Tensor):
         return f"RowWindow(shape={tuple(self.shape)}, start={self.start})"
 
     def _like(
-        self, shape: Sequence[int], rows: torch.Tensor | None, start: int, fills: Fills | None
+        self, shape: Sequence[int], rows: torch.Tensor, start: int, fills: Fills | None
     ) -> RowWindow:
         return RowWindow(shape, rows, start, fills, dtype=self.dtype, device=self.device)
 
@@ -152,15 +158,13 @@ class RowWindow(torch.Tensor):
         ):
             rest = [self._operand(a) for a in args[1:]]
             named = {k: self._operand(v) for k, v in kwargs.items()}
-            if self.rows is not None:
-                func(self.rows, *rest, **named)
+            func(self.rows, *rest, **named)
             return self
         raise NotRowLocal(f"{func} on a parameter stand-in")
 
     # -- ops -------------------------------------------------------------------------------------
     def _span(self) -> tuple[int, int]:
-        count = 0 if self.rows is None else (self.rows.shape[0] if self.dim() else 1)
-        return self.start, self.start + count
+        return self.start, self.start + (self.rows.shape[0] if self.dim() else 1)
 
     def _operand(self, value: Any) -> Any:
         """Another operand, cut to this rank's rows where it has one value per row."""
@@ -179,8 +183,6 @@ class RowWindow(torch.Tensor):
             raise NotRowLocal("a random fill of a view, or with a generator of its own")
         draw = fills.count
         fills.count += 1
-        if self.rows is None:
-            return
         rows = self.rows
         if not self.dim():  # one row, one block
             seed = block_seed(fills.seed, fills.name, draw, 0)
@@ -207,10 +209,10 @@ class RowWindow(torch.Tensor):
         index = index % shape[dim]
         del shape[dim]
         if dim:
-            rows = None if self.rows is None else self.rows.select(dim, index)
-            return self._like(shape, rows, self.start, None)
+            return self._like(shape, self.rows.select(dim, index), self.start, None)
         start, stop = self._span()
-        rows = self.rows[index - start] if self.rows is not None and start <= index < stop else None
+        here = start <= index < stop
+        rows = self.rows[index - start] if here else _nothing(shape, self.dtype, self.device)
         return self._like(shape, rows, 0, None)
 
     def _slice(
@@ -222,12 +224,12 @@ class RowWindow(torch.Tensor):
             raise NotRowLocal("a strided slice of a parameter stand-in")
         shape[dim] = max(0, end - begin)
         if dim:
-            rows = None if self.rows is None else self.rows.narrow(dim, begin, shape[dim])
-            return self._like(shape, rows, self.start, None)
+            return self._like(shape, self.rows.narrow(dim, begin, shape[dim]), self.start, None)
         start, stop = self._span()
         a, z = max(begin, start), min(end, stop)
-        rows = self.rows[a - start : z - start] if self.rows is not None and a < z else None
-        return self._like(shape, rows, a - begin if rows is not None else 0, None)
+        if a >= z:
+            return self._like(shape, self.rows[:0], 0, None)
+        return self._like(shape, self.rows[a - start : z - start], a - begin, None)
 
 
 def window_for(
@@ -240,19 +242,13 @@ def window_for(
     device: torch.device,
     elements: int = BLOCK_ELEMENTS,
 ) -> nn.Parameter:
-    """A window onto ``rows`` (rows ``start`` onwards of the full ``p``), as a parameter (a
-    ``RowWindow`` that ``isinstance(..., nn.Parameter)`` accepts, as its init may check)."""
-    if rows is not None and not rows.numel():
-        rows = None
+    """A window onto ``rows`` (rows ``start`` onwards of the full ``p``; None: none of them), as
+    a parameter (a ``RowWindow`` that ``isinstance(..., nn.Parameter)`` accepts, as its init
+    may check)."""
+    if rows is None:
+        rows, start = _nothing(p.shape, p.dtype, device), 0
     fills = Fills(seed=seed, name=name, per_block=block_rows(p.shape, elements))
-    window = RowWindow(
-        p.shape,
-        rows,
-        start,
-        fills,
-        dtype=p.dtype,
-        device=rows.device if rows is not None else device,
-    )
+    window = RowWindow(p.shape, rows, start, fills, dtype=p.dtype, device=rows.device)
     return nn.Parameter(window, requires_grad=p.requires_grad)
 
 
