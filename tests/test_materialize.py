@@ -160,6 +160,24 @@ class Rotation(nn.Module):
         nn.init.orthogonal_(self.weight)
 
 
+class RankDependent(nn.Module):
+    """An init that is row-local on the first rank only (it must not be)."""
+
+    def __init__(self, buffered: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(6, 3))
+        if buffered:  # then not shared out: computed on every rank (no exchange to hang in)
+            self.register_buffer("steps", torch.zeros(2))
+
+    def reset_parameters(self) -> None:
+        if dist.get_rank() == 0:
+            nn.init.normal_(self.weight)
+        else:
+            nn.init.orthogonal_(self.weight)
+        if hasattr(self, "steps"):
+            self.steps.zero_()
+
+
 class Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -287,6 +305,15 @@ def materialize_facts() -> dict[str, Any]:
         out["broken"] = None
     except PrepareError as e:
         out["broken"] = (e.subject, str(e))
+    # an init that is row-local on some ranks only: refused on every rank, shared or not
+    for buffered in (False, True):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(3, 6), RankDependent(buffered))
+        try:
+            _prepare(model)
+            out[f"rank_dependent_{buffered}"] = None
+        except PrepareError as e:
+            out[f"rank_dependent_{buffered}"] = (e.subject, str(e))
     # rank 0 built real weights, the others meta tensors, and no sync_module_states
     model = Mixed() if W.rank_world()[0] == 0 else meta_mixed()
     try:
@@ -404,6 +431,23 @@ def test_a_failing_init_fails_every_rank(facts: dict[int, list[dict[str, Any]]])
         assert len(culprits) == 1 and "no luck" in culprits[0][1]  # the rank that computed it
         others = [e for e in errors if e[0] != "broken"]
         assert all("failed on shard rank" in e[1] for e in others)
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_ranks_whose_inits_go_different_ways_are_refused(
+    facts: dict[int, list[dict[str, Any]]],
+) -> None:
+    """Row-local on rank 0, not on the others: whether the module is shared out (checked before
+    any rows move) or computed on every rank (checked at the end), every rank refuses instead
+    of waiting for rows or keeping rows of two different draws."""
+    for ranks in facts.values():
+        for rank in ranks:
+            for buffered in (False, True):
+                refusal = rank[f"rank_dependent_{buffered}"]
+                assert refusal is not None, buffered
+                subject, message = refusal
+                assert subject == "materialize" and "full parameters computed" in message
 
 
 @pytest.mark.slow

@@ -176,12 +176,17 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         progress = Progress(
             "fprep: materialize", len(jobs), enabled=None if state.topology.rank == 0 else False
         )
+        # Modules computed in full on every rank although the row-local way was tried: the ranks
+        # exchange nothing for them, but must still have gone the same way (else the ranks'
+        # rows would come from two different draws); checked once, at the end.
+        in_full: list[str] = []
         with progress:
             progress.advance(len(jobs) - len(todo))
             for item in work:
                 if isinstance(item, int):
                     job = todo[item]
                     if not (by_rows and init_by_rows(job, init, device, world, rank)):
+                        in_full.append(job.fqn)
                         run_everywhere(job, init, scratch, device, world, rank)
                     if job.broadcast_buffers and group is not None:
                         broadcast_buffers(job.module, group, device)
@@ -195,4 +200,6 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
                     check_same_fallbacks([j.fqn for j in phase], group, device)
                 if phase:
                     run_phase(phase, init, scratch, device, group, world, rank, progress)
+            if by_rows and group is not None:
+                check_same_fallbacks(in_full, group, device)
     return state, model
