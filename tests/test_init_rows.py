@@ -185,6 +185,14 @@ def test_a_seed_and_a_name_make_their_own_numbers() -> None:
     assert not torch.equal(weight(1, "w"), weight(1, "v"))
 
 
+def test_an_index_out_of_bounds_is_an_error_as_in_eager() -> None:
+    for rank in range(2):
+        with pytest.raises(IndexError, match="out of bounds"):
+            _on_rank(lambda: nn.Linear(4, 6), lambda m: m.weight[6].zero_(), 2, rank, 16)
+    rows, _ = _on_rank(lambda: nn.Linear(4, 6), lambda m: m.weight[-1].fill_(7.0), 2, 1, 16)
+    assert torch.equal(rows["weight"][-1], torch.full((4,), 7.0))  # rank 1 holds rows 3..5
+
+
 REFUSED: dict[str, Init] = {
     "orthogonal_ (QR of the whole matrix)": lambda m: nn.init.orthogonal_(m.weight),
     "trunc_normal_ (rejection loop)": lambda m: nn.init.trunc_normal_(m.weight),

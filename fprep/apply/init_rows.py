@@ -206,7 +206,9 @@ class RowWindow(torch.Tensor):
 
     def _select(self, dim: int, index: int) -> RowWindow:
         dim, shape = dim % self.dim(), [*self.shape]
-        index = index % shape[dim]
+        if not -shape[dim] <= index < shape[dim]:
+            raise IndexError(f"index {index} is out of bounds for size {shape[dim]}")
+        index %= shape[dim]
         del shape[dim]
         if dim:
             return self._like(shape, self.rows.select(dim, index), self.start, None)
