@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -12,7 +13,9 @@ from returns.result import Failure, Result, Success
 
 import fprep
 from fprep import PrepError, PrepState
+from fprep.sharding import shard_shape
 from fprep.snapshot import ModuleInfo, ModuleTree, ParamInfo
+from fprep.state import ShardSpec
 from fprep.topology import Topology
 from fprep.transitions import Transition
 
@@ -173,3 +176,42 @@ def timed(sections: dict[str, Callable[[], Any]]) -> dict[str, Any]:
         out[name] = fn()
         out["seconds"][name] = round(time.perf_counter() - start, 2)
     return out
+
+
+# -- materialize's row-local init ---------------------------------------------------------------
+#: materialize's pure planning and its per-module jobs
+_schedule: Any = importlib.import_module("fprep.apply.init_schedule")
+_jobs: Any = importlib.import_module("fprep.apply.init_jobs")
+
+
+def shard_spec(fqn: str, shape: tuple[int, ...], world: int, rank: int) -> ShardSpec:
+    """The spec of FSDP2's dim-0 shard of a float32 parameter of ``shape`` on ``rank``."""
+    local, padded = shard_shape(shape, world, rank)
+    return ShardSpec(
+        fqn=fqn,
+        names=(fqn,),
+        shape=shape,
+        dtype="float32",
+        local_shape=local,
+        padded_shape=padded,
+        requires_grad=True,
+    )
+
+
+def rows_of(shape: tuple[int, ...], world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a parameter of ``shape`` that FSDP2 gives ``rank``."""
+    start, stop = _schedule.row_span(shard_spec("p", shape, world, rank), world, rank)
+    return int(start), int(stop)
+
+
+def bare_job(module: Any) -> Any:
+    """A materialize job for ``module`` alone: no stand-ins (nothing sharded or tied), seed 5."""
+    return _jobs.Job(
+        fqn="m",
+        module=module,
+        stand_ins=(),
+        seed=5,
+        skip=False,
+        shareable=False,
+        broadcast_buffers=False,
+    )

@@ -13,12 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from _checks import bare_job, rows_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-
-from fprep.sharding import shard_shape
-from fprep.state import ShardSpec
 
 R: Any = importlib.import_module("fprep.apply.init_rows")
 S: Any = importlib.import_module("fprep.apply.init_schedule")
@@ -93,19 +91,6 @@ INITS: dict[str, tuple[Callable[[tuple[int, int]], nn.Module], Init]] = {
 }
 
 
-def _spec(name: str, shape: tuple[int, ...], world: int, rank: int) -> ShardSpec:
-    local, padded = shard_shape(shape, world, rank)
-    return ShardSpec(
-        fqn=name,
-        names=(name,),
-        shape=shape,
-        dtype="float32",
-        local_shape=local,
-        padded_shape=padded,
-        requires_grad=True,
-    )
-
-
 def _on_rank(
     make: Callable[[], nn.Module], init: Init, world: int, rank: int, elements: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -116,8 +101,8 @@ def _on_rank(
     for name, p in list(module._parameters.items()):
         if p is None:
             continue
-        start, stop = S.row_span(_spec(name, tuple(p.shape), world, rank), world, rank)
-        rows[name] = torch.full((stop - start, *p.shape[1:]), float("nan"))
+        start, stop = rows_of(tuple(p.shape), world, rank)
+        rows[name] = torch.full((stop - start, *p.shape[1:]), float("nan"), dtype=p.dtype)
         window = R.window_for(
             p, rows[name], start, seed=3, name=name, device=CPU, elements=elements
         )
@@ -160,7 +145,7 @@ def test_the_ranks_rows_make_the_same_full_parameters_for_every_world_size(
     for rank, per_rank in enumerate(fills):
         for name, f in per_rank.items():
             row = math.prod(one[name].shape[1:])
-            start, stop = S.row_span(_spec(name, tuple(one[name].shape), world, rank), world, rank)
+            start, stop = rows_of(tuple(one[name].shape), world, rank)
             assert f.drawn <= f.count * (stop - start + 2 * f.per_block) * row
 
 
@@ -220,18 +205,6 @@ def test_an_op_that_fails_fails_on_every_rank_even_one_without_rows() -> None:
             _on_rank(make, lambda m: m.weight.add_(torch.ones(3)), 3, rank, S.BLOCK_ELEMENTS)
 
 
-def _job(module: nn.Module) -> Any:
-    return J.Job(
-        fqn="m",
-        module=module,
-        stand_ins=(),
-        seed=5,
-        skip=False,
-        shareable=False,
-        broadcast_buffers=False,
-    )
-
-
 class Flagged(nn.Module):
     """Marks itself done (as Hugging Face's init does) and draws a buffer, then needs a QR."""
 
@@ -249,7 +222,7 @@ class Flagged(nn.Module):
 def test_a_refused_init_leaves_the_module_as_it_was() -> None:
     module = Flagged()
     weight, noise = module.weight, module.noise
-    ok = R.init_by_rows(_job(module), lambda m: m.reset_parameters(), CPU, 1, 0)
+    ok = R.init_by_rows(bare_job(module), lambda m: m.reset_parameters(), CPU, 1, 0)
     assert ok is False
     assert module._parameters["weight"] is weight and module.noise is noise
     assert not hasattr(module, "done")
@@ -261,9 +234,32 @@ def test_an_accepted_init_writes_the_parameters_in_place() -> None:
     module = nn.Linear(3, 5)
     weight = module.weight
     weight.data.zero_()
-    assert R.init_by_rows(_job(module), lambda m: m.reset_parameters(), CPU, 1, 0)
+    assert R.init_by_rows(bare_job(module), lambda m: m.reset_parameters(), CPU, 1, 0)
     assert module.weight is weight and weight.abs().sum() > 0
     assert isinstance(weight, nn.Parameter) and type(weight) is nn.Parameter
+
+
+def test_an_init_that_keeps_a_window_is_refused() -> None:
+    """No window outlives its init (a kept one would point into this rank's rows only)."""
+    module = nn.Linear(3, 5)
+
+    def keep(m: nn.Module) -> None:
+        m.reset_parameters()
+        m.saved = m.weight.detach()
+
+    assert not R.init_by_rows(bare_job(module), keep, CPU, 1, 0)
+    assert not hasattr(module, "saved")
+
+
+def test_a_parameter_the_init_adds_stays_as_in_eager() -> None:
+    module = nn.Linear(3, 5)
+
+    def add(m: nn.Module) -> None:
+        m.reset_parameters()
+        m.register_parameter("scale", nn.Parameter(torch.ones(5)))
+
+    assert R.init_by_rows(bare_job(module), add, CPU, 1, 0)
+    assert torch.equal(module.scale, torch.ones(5))
 
 
 def test_an_init_that_replaces_its_parameter_is_refused() -> None:
@@ -272,7 +268,7 @@ def test_an_init_that_replaces_its_parameter_is_refused() -> None:
     def replace(m: nn.Module) -> None:
         m.weight = nn.Parameter(torch.ones(5, 3))
 
-    assert not R.init_by_rows(_job(module), replace, CPU, 1, 0)
+    assert not R.init_by_rows(bare_job(module), replace, CPU, 1, 0)
 
 
 # -- the pure pieces -----------------------------------------------------------------------------

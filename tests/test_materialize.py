@@ -20,6 +20,7 @@ import _prepare_workers as W
 import pytest
 import torch
 import torch.distributed as dist
+from _checks import shard_spec
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -27,7 +28,6 @@ from torch import nn
 import fprep
 from fprep.errors import PrepareError
 from fprep.sharding import shard_shape
-from fprep.state import ShardSpec
 from fprep.testing.distributed import run_ranks
 
 #: materialize's pure planning, its per-module jobs, and the step itself
@@ -91,17 +91,8 @@ def test_row_spans_cut_the_rows_as_fsdp2_does(rows: int, rest: list[int], world:
     shape = (rows, *rest)
     covered: list[int] = []
     for rank in range(world):
-        local, padded = shard_shape(shape, world, rank)
-        spec = ShardSpec(
-            fqn="p",
-            names=("p",),
-            shape=shape,
-            dtype="float32",
-            local_shape=local,
-            padded_shape=padded,
-            requires_grad=True,
-        )
-        start, stop = S.row_span(spec, world, rank)
+        local, _ = shard_shape(shape, world, rank)
+        start, stop = S.row_span(shard_spec("p", shape, world, rank), world, rank)
         assert stop - start == local[0]  # exactly the rows FSDP2 gives this rank
         covered += range(start, stop)
     assert covered == (list(range(rows)) if all(rest) else [])

@@ -11,13 +11,15 @@ window reaches ``__torch_dispatch__``, which applies it to those rows:
   seeded by (module seed, parameter, fill number, block). A block's values do not depend on which
   rank draws it, so the full parameter is the same for every world size, while a rank draws only
   the blocks its rows touch;
-* in-place pointwise ops (``fill_``, ``zero_``, ``mul_``, ``clamp_``, ...) and ``copy_`` apply to
-  the rows (another tensor operand is sliced to them, or broadcast);
+* in-place ops that place values (``fill_``, ``zero_``, ``copy_``) or round the same wherever an
+  element sits in the kernel (``EXACT``: ``mul_``, ``add_``, ``clamp_``, ...) apply to the rows
+  (another tensor operand is cut to them, or broadcast);
 * ``detach`` (``.data``), ``select`` and ``slice`` give windows onto the same rows (a random fill
   of a ``select``/``slice`` view is not row-local: it would need a seed per view).
 
 Anything else (reading values, a reduction, a new tensor made from the parameter: ``orthogonal_``'s
-QR, ``trunc_normal_``'s rejection loop, an explicit generator) raises ``NotRowLocal``, and
+QR, ``trunc_normal_``'s rejection loop, an explicit generator, ``.data =``, ``data_ptr``, a
+pointwise op whose bits depend on its position, as ``sinh_``) raises ``NotRowLocal``, and
 materialize computes that module the other way (full tensors from the module's seed,
 ``init_jobs``). Which way a module goes depends on its init code and the full shapes, never on
 the world size, so both ways are reproducible; the two give different numbers for a module, but a
@@ -60,11 +62,42 @@ RANDOM_FILLS = frozenset(
         aten.random_.to,
     }
 )
-#: In-place ops that write ``self`` element by element but carry no ``pointwise`` tag.
-ELEMENTWISE = frozenset(
-    {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+#: In-place ops that only place values: any dtype.
+PLACING = frozenset({aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default})
+#: In-place elementwise ops whose result bits do not depend on where an element sits in the
+#: kernel's loop (floating point only). Others (``sinh_``, ``pow_(1.7)``, ``add_`` with an
+#: ``alpha``, ...) round differently in a CPU kernel's vectorized body and its scalar tail, so
+#: their bits would depend on how many rows a rank holds: refused, to the full computation.
+EXACT = frozenset(
+    {
+        aten.add_.Tensor,
+        aten.add_.Scalar,
+        aten.sub_.Tensor,
+        aten.sub_.Scalar,
+        aten.mul_.Tensor,
+        aten.mul_.Scalar,
+        aten.div_.Tensor,
+        aten.div_.Scalar,
+        aten.neg_.default,
+        aten.abs_.default,
+        aten.clamp_.default,
+        aten.clamp_.Tensor,
+        aten.clamp_min_.default,
+        aten.clamp_max_.default,
+        aten.floor_.default,
+        aten.ceil_.default,
+        aten.round_.default,
+        aten.trunc_.default,
+        aten.sign_.default,
+        aten.sqrt_.default,
+        aten.erfinv_.default,  # (scalar kernel only: inverse-CDF truncated normals)
+    }
 )
 ALIASES = frozenset({aten.detach.default, aten.alias.default})
+
+
+#: ``torch.Tensor.data``'s own descriptor (a window overrides the setter only).
+_DATA: Any = vars(torch._C.TensorBase)["data"]
 
 
 class NotRowLocal(Exception):
@@ -153,16 +186,36 @@ class RowWindow(torch.Tensor):
             return self._select(*args[1:])
         if func is aten.slice.Tensor:
             return self._slice(*args[1:])
-        if func in ELEMENTWISE or (
-            torch.Tag.pointwise in func.tags and func._schema.arguments[0].is_write
-        ):
+        if func in PLACING or (func in EXACT and self._exact(kwargs)):
             rest = [self._operand(a) for a in args[1:]]
             named = {k: self._operand(v) for k, v in kwargs.items()}
             func(self.rows, *rest, **named)
             return self
         raise NotRowLocal(f"{func} on a parameter stand-in")
 
+    # -- what the ops never reach -----------------------------------------------------------------
+    @property
+    def data(self) -> torch.Tensor:
+        alias: torch.Tensor = _DATA.__get__(self)  # dispatched (detach): a window
+        return alias
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        raise NotRowLocal("assigning .data of a parameter stand-in")
+
+    def data_ptr(self) -> int:
+        raise NotRowLocal("the address of a parameter stand-in")
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        raise NotRowLocal("the storage of a parameter stand-in")
+
     # -- ops -------------------------------------------------------------------------------------
+    def _exact(self, kwargs: dict[str, Any]) -> bool:
+        """Whether an ``EXACT`` op stays exact: floating point (an integer division by zero
+        would fail only on the ranks holding the zero), and no ``alpha`` (a fused multiply-add
+        in the vectorized body only)."""
+        return self.dtype.is_floating_point and kwargs.get("alpha", 1) == 1
+
     def _span(self) -> tuple[int, int]:
         return self.start, self.start + (self.rows.shape[0] if self.dim() else 1)
 
@@ -191,7 +244,10 @@ class RowWindow(torch.Tensor):
             return
         start, stop = self._span()
         row = math.prod(self.shape[1:])
-        for lo, hi in blocks_over(start, stop, self.shape[0], fills.per_block):
+        blocks = blocks_over(start, stop, self.shape[0], fills.per_block)
+        if not blocks:  # still check the arguments, as the ranks holding rows do
+            func(rows[:0], *args, **{**kwargs, "generator": fills.generator(rows.device, 0)})
+        for lo, hi in blocks:
             seed = block_seed(fills.seed, fills.name, draw, lo // fills.per_block)
             gen = fills.generator(rows.device, seed)
             a, z = max(lo, start), min(hi, stop)
@@ -204,8 +260,13 @@ class RowWindow(torch.Tensor):
                 func(target, *args, **{**kwargs, "generator": gen})
             fills.drawn += (hi - lo) * row
 
+    def _dim(self, dim: int) -> int:
+        if not -self.dim() <= dim < self.dim():
+            raise IndexError(f"dimension {dim} is out of range for {self.dim()} dimensions")
+        return dim % self.dim()
+
     def _select(self, dim: int, index: int) -> RowWindow:
-        dim, shape = dim % self.dim(), [*self.shape]
+        dim, shape = self._dim(dim), [*self.shape]
         if not -shape[dim] <= index < shape[dim]:
             raise IndexError(f"index {index} is out of bounds for size {shape[dim]}")
         index %= shape[dim]
@@ -220,7 +281,7 @@ class RowWindow(torch.Tensor):
     def _slice(
         self, dim: int = 0, begin: int | None = None, end: int | None = None, step: int = 1
     ) -> RowWindow:
-        dim, shape = dim % self.dim(), [*self.shape]
+        dim, shape = self._dim(dim), [*self.shape]
         begin, end, _ = slice(begin, end, step).indices(shape[dim])
         if step != 1:
             raise NotRowLocal("a strided slice of a parameter stand-in")
@@ -283,11 +344,13 @@ def init_by_rows(
     """Run ``job``'s init on row windows; whether every op it made was row-local.
 
     On False, whatever the attempt did is for the full computation to overwrite: the module gets
-    back its parameters, its buffer table and its attributes as they were (an init that marks a
-    module done, as Hugging Face's does, must not skip the second run).
+    back its parameters, buffer and child tables and its attributes as they were (an init that
+    marks a module done, as Hugging Face's does, must not skip the second run). An init that
+    keeps a window (as an attribute) is refused too: no window outlives its init.
     """
     module = job.module
     attributes, buffers = dict(module.__dict__), dict(module._buffers)
+    children, transient = dict(module._modules), set(module._non_persistent_buffers_set)
     original = dict(module._parameters)
     ok = False
     try:
@@ -295,15 +358,21 @@ def init_by_rows(
         module._parameters.update(placed)
         with seeded(job.seed, device):
             init(module)
-        ok = all(module._parameters.get(name) is w for name, w in placed.items())
+        ok = all(
+            module._parameters.get(name) is w and isinstance(w, RowWindow)  # (swap_tensors)
+            for name, w in placed.items()
+        ) and not any(isinstance(v, RowWindow) for v in module.__dict__.values())
     except Exception:  # NotRowLocal, or anything the full computation will report
         ok = False
     finally:
-        module._parameters.clear()
-        module._parameters.update(original)
+        module._parameters.update(original)  # (a parameter the init added stays, as in eager)
     if not ok:
-        module.__dict__.clear()
-        module.__dict__.update(attributes)
-        module._buffers.clear()
-        module._buffers.update(buffers)
+        for table, saved in (
+            (module.__dict__, attributes),
+            (module._buffers, buffers),
+            (module._modules, children),
+        ):
+            table.clear()
+            table.update(saved)  # type: ignore[arg-type]
+        module._non_persistent_buffers_set = transient
     return ok
