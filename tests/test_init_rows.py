@@ -216,6 +216,7 @@ class Flagged(nn.Module):
     def reset_parameters(self) -> None:
         self.done = True
         self.noise = torch.ones(4)
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
         nn.init.orthogonal_(self.weight)
 
 
@@ -226,6 +227,7 @@ def test_a_refused_init_leaves_the_module_as_it_was() -> None:
     assert ok is False
     assert module._parameters["weight"] is weight and module.noise is noise
     assert not hasattr(module, "done")
+    assert "scratch" not in module._buffers and not module._non_persistent_buffers_set
     assert torch.equal(weight, torch.zeros(5, 3))  # the attempt never wrote a value
     assert module.weight.__class__ is nn.Parameter
 

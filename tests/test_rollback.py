@@ -151,3 +151,14 @@ def test_restore_puts_moved_tensors_back_without_copying_them() -> None:
     assert weight.data_ptr() == data_ptr and weight.requires_grad
     assert model[1].running_mean is running_mean
     assert not model._forward_hooks
+
+
+def test_a_registered_non_persistent_buffer_is_rolled_back() -> None:
+    """The set of non-persistent buffer names is restored too, not only the buffer table."""
+    model = nn.Linear(2, 2)
+    undo = Rollback.of(model)
+    model.register_buffer("scratch", torch.ones(2), persistent=False)
+    undo.restore()
+    assert "scratch" not in model._buffers
+    assert "scratch" not in model._non_persistent_buffers_set
+    assert "scratch" not in model.state_dict()

@@ -44,6 +44,7 @@ from fprep.apply.init_schedule import (
     blocks_over,
     row_span,
 )
+from fprep.apply.rollback import Rollback
 
 aten = torch.ops.aten
 
@@ -112,7 +113,7 @@ class Fills:
     name: str
     per_block: int
     count: int = 0
-    drawn: int = 0  # elements this rank drew (test and benchmark evidence)
+    drawn: int = 0  # elements this rank drew (evidence for the tests)
     generators: dict[torch.device, torch.Generator] = field(default_factory=dict)
 
     def generator(self, device: torch.device, seed: int) -> torch.Generator:
@@ -343,14 +344,14 @@ def init_by_rows(
 ) -> bool:
     """Run ``job``'s init on row windows; whether every op it made was row-local.
 
-    On False, whatever the attempt did is for the full computation to overwrite: the module gets
-    back its parameters, buffer and child tables and its attributes as they were (an init that
-    marks a module done, as Hugging Face's does, must not skip the second run). An init that
+    On False, whatever the attempt did is for the full computation to overwrite: the module and
+    its children are rolled back as ``prepare`` rolls back a failed step (``Rollback``: their
+    parameter, buffer and child tables and attributes as they were; an init that marks a module
+    done, as Hugging Face's does, must not skip the second run). An init that
     keeps a window (as an attribute) is refused too: no window outlives its init.
     """
     module = job.module
-    attributes, buffers = dict(module.__dict__), dict(module._buffers)
-    children, transient = dict(module._modules), set(module._non_persistent_buffers_set)
+    undo = Rollback.of(module)
     original = dict(module._parameters)
     ok = False
     try:
@@ -367,12 +368,5 @@ def init_by_rows(
     finally:
         module._parameters.update(original)  # (a parameter the init added stays, as in eager)
     if not ok:
-        for table, saved in (
-            (module.__dict__, attributes),
-            (module._buffers, buffers),
-            (module._modules, children),
-        ):
-            table.clear()
-            table.update(saved)  # type: ignore[arg-type]
-        module._non_persistent_buffers_set = transient
+        undo.restore()
     return ok

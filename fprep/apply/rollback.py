@@ -8,7 +8,8 @@ compile registered hooks and state, autocast replaced ``forward``, ``place`` mov
 
 ``Rollback.of(model)`` records, in one walk and without copying any tensor data, what those
 effects touch: every module's class and ``__dict__`` (its parameter, buffer, child and hook
-dicts copied, so that the entries, not just the dicts, are restored) and every parameter's and
+dicts and its set of non-persistent buffer names copied, so that the entries, not just the
+containers, are restored) and every parameter's and
 buffer's tensor (``Module.to`` swaps ``param.data`` in place). ``restore()`` puts all of it back
 and forgets the composable-API state (``fully_shard``, ``checkpoint``) that torch keeps for the
 modules outside them, so that the restored model can be prepared again.
@@ -28,8 +29,9 @@ from torch import nn
 
 
 def _copied(value: Any) -> Any:
-    """Dict-valued attributes (parameters, buffers, children, hooks) are copied one level."""
-    return value.copy() if isinstance(value, dict) else value
+    """Dict- and set-valued attributes (parameters, buffers, children, hooks, the names of
+    non-persistent buffers) are copied one level."""
+    return value.copy() if isinstance(value, dict | set) else value
 
 
 @dataclass(frozen=True)
