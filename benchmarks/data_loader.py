@@ -26,15 +26,14 @@ spread (25th-75th percentile). Target: fprep / torch >= 0.98.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from _timing import Loop, interleaved
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -105,26 +104,19 @@ def fprep_epochs(data: TensorDataset, workers: int) -> Epoch:
     return read
 
 
-def interleaved(epochs: dict[str, Epoch], rounds: int, seed: int = 0) -> dict[str, list[float]]:
-    """Samples per second of each round's epoch of every loader; order shuffled per round."""
+def measure(epochs: dict[str, Epoch], rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Samples per second of each round's epoch of every loader (``_timing.interleaved``: one
+    epoch each per round, in a shuffled order)."""
     names = list(epochs)
     counts = {name: epochs[name]() for name in names}  # warm-up (and workers started)
     assert len(set(counts.values())) == 1, f"the loaders read different amounts: {counts}"
-    out: dict[str, list[float]] = {name: [] for name in names}
-    rng = random.Random(seed)
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            order = names[:]
-            rng.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                n = epochs[name]()
-                out[name].append(n / (time.perf_counter() - start))
-    finally:
-        gc.enable()
-    return out
+    read: dict[str, list[int]] = {name: [] for name in names}
+
+    def reading(name: str) -> Loop:
+        return lambda: read[name].append(epochs[name]())
+
+    seconds = interleaved({name: reading(name) for name in names}, rounds, warmup=0, seed=seed)
+    return {name: [n / t for n, t in zip(read[name], seconds[name], strict=True)] for name in names}
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -160,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "fprep": fprep_epochs(data, workers),
             CONTROL: torch_epochs(data, workers),
         }
-        results[workers] = interleaved(epochs, rounds)
+        results[workers] = measure(epochs, rounds)
         del epochs  # shuts persistent workers down
     print(
         f"\nrank {RANK} of {WORLD}: {N // WORLD} of {N} samples ({FEATURES} floats + a label) per "
