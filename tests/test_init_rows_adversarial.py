@@ -567,6 +567,15 @@ def _by_rows(module: nn.Module, init: Init) -> bool:
         return bool(R.init_by_rows(bare_job(module), init, CPU, 1, 0))
 
 
+def _accepted_only_if_written(init: Init) -> None:
+    """``init`` sets a Linear(3, 7)'s weight to ones: refused, or accepted with it written."""
+    module = nn.Linear(3, 7)
+    with torch.no_grad():
+        module.weight.zero_()
+    ok = _by_rows(module, init)
+    assert not ok or torch.equal(module.weight, torch.ones(7, 3)), "accepted, weight still 0"
+
+
 # ================================ contract violations found in review =========================
 # A pointwise op's bits depend on where an element sits in the kernel's loop (CPU kernels
 # run a vectorized body and a scalar tail, which round differently), so applying it to this
@@ -621,11 +630,7 @@ def test_assigning_data_is_refused_not_dropped() -> None:
 
     eager = _eager(lambda: nn.Linear(3, 7), init)["weight"]
     assert torch.equal(eager, torch.ones(7, 3))
-    module = nn.Linear(3, 7)
-    with torch.no_grad():
-        module.weight.zero_()
-    ok = _by_rows(module, init)
-    assert not ok or torch.equal(module.weight, torch.ones(7, 3)), "accepted, weight still 0"
+    _accepted_only_if_written(init)
 
 
 def test_data_ptr_is_refused_not_zero() -> None:
@@ -651,11 +656,7 @@ def test_swapping_the_window_out_is_noticed() -> None:
     def init(m: nn.Module) -> None:
         torch.utils.swap_tensors(m.weight, nn.Parameter(torch.ones(7, 3)))
 
-    module = nn.Linear(3, 7)
-    with torch.no_grad():
-        module.weight.zero_()
-    ok = _by_rows(module, init)
-    assert not ok or torch.equal(module.weight, torch.ones(7, 3)), "accepted, weight still 0"
+    _accepted_only_if_written(init)
 
 
 def test_integer_division_is_refused_on_every_rank() -> None:
