@@ -194,7 +194,7 @@ def test_transformers_model_from_meta_is_initialised_as_transformers_does(name: 
     plan = fprep.plan(on_meta(build), fprep.PrepConfig()).unwrap()
     assert plan.param_handles is not None
     assert plan.param_handles.materialize.method == "hf_init_weights"
-    state, model = prepared(build, strategy="none")
+    _, model = prepared(build, strategy="none")
     reference = eager(build)
     check_like_eager(model, reference)
     ties = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {
