@@ -185,6 +185,8 @@ def prepare(
     if isinstance(result, Failure):
         raise result.failure()
     state = result.unwrap()
+    if state.param_handles is not None:  # a module nothing can initialize: planned, not prepared
+        state.param_handles.materialize.check()
     # Sharding and meta-device materialization replace Parameter objects: record what each
     # optimizer holds by name now (refusing foreign parameters before any effect) and point it
     # at the new parameters afterwards, so that an optimizer built before prepare still trains.

@@ -152,6 +152,9 @@ class ModuleInfo:
     param_names: tuple[str, ...] = ()  # local names of directly registered parameters
     buffer_names: tuple[str, ...] = ()  # local names of directly registered buffers
     has_reset_parameters: bool = True
+    #: The class defines ``init_weights`` (torchtitan's convention: a root that initializes
+    #: everything below it)
+    has_init_weights: bool = False
     #: False for a ModuleList / ModuleDict (or subclass) that defines no forward — what
     #: ``fully_shard`` refuses; ``None``: judge by class name (hand-built trees)
     has_forward: bool | None = None
@@ -259,7 +262,7 @@ class ModuleTree:
         params: dict[int, tuple[list[str], torch.Tensor]] = {}
         buffers: list[BufferInfo] = []
         # Per class: its MRO names and whether it has reset_parameters (looked up once).
-        class_cache: dict[type, tuple[tuple[str, ...], bool, bool]] = {}
+        class_cache: dict[type, tuple[tuple[str, ...], bool, bool, bool]] = {}
 
         stack: list[tuple[str, nn.Module]] = [("", model)]
         while stack:
@@ -270,6 +273,7 @@ class ModuleTree:
                 known = (
                     tuple(f"{k.__module__}.{k.__qualname__}" for k in kind.__mro__),
                     callable(getattr(kind, "reset_parameters", None)),
+                    callable(getattr(kind, "init_weights", None)),
                     # fully_shard's rule: ModuleList / ModuleDict without a forward of their own
                     not (
                         issubclass(kind, nn.ModuleList | nn.ModuleDict)
@@ -277,7 +281,7 @@ class ModuleTree:
                     ),
                 )
                 class_cache[kind] = known
-            mro, has_reset, has_forward = known
+            mro, has_reset, has_init_weights, has_forward = known
             dot = prefix + "." if prefix else ""  # join_fqn(prefix, name) == dot + name
             param_names: list[str] = []
             for name, p in mod._parameters.items():
@@ -315,6 +319,7 @@ class ModuleTree:
                     param_names=tuple(param_names),
                     buffer_names=tuple(buffer_names),
                     has_reset_parameters=has_reset,
+                    has_init_weights=has_init_weights,
                     has_forward=has_forward,
                 )
             )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from fprep.config import PrepConfig
-from fprep.errors import PlanOrderError
+from fprep.errors import ModelError, PlanOrderError
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
 
@@ -228,10 +228,47 @@ class WrapUnit:
 
 @dataclass(frozen=True, kw_only=True)
 class MaterializePlan:
-    """How meta-device parameters become real: which modules, and by what."""
+    """How meta-device parameters become real: which modules, and by what.
 
-    method: Literal["none", "param_init_fn", "reset_parameters"]
+    ``method``, in order of precedence: ``param_init_fn`` (``PrepConfig``; a bound
+    ``_init_weights`` of a Hugging Face model counts as that model's own convention,
+    ``hf_init_weights``), the model's own convention (``hf_init_weights``: a transformers
+    ``PreTrainedModel``'s ``_init_weights``, walked as ``initialize_weights`` walks it;
+    ``init_weights``: a root with torchtitan's ``init_weights()``), then ``reset_parameters``
+    (each module holding meta tensors). ``modules``: the modules holding meta tensors (allocated);
+    ``visits``: the modules whose init runs, in the order it runs (children before parents,
+    except ``reset_parameters``, in plan order); ``owners``: for ``hf_init_weights``, per visit,
+    the ``PreTrainedModel`` whose ``_init_weights`` runs on it (None: the bound
+    ``param_init_fn``'s model). ``unavailable``: why nothing can initialize some module (the
+    plan still stands and notes it; ``prepare`` refuses it before any effect).
+    """
+
+    method: Literal["none", "param_init_fn", "hf_init_weights", "init_weights", "reset_parameters"]
     modules: tuple[str, ...] = ()
+    visits: tuple[str, ...] = ()
+    owners: tuple[str | None, ...] = ()
+    unavailable: Unavailable | None = None
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        if self.unavailable is None:
+            return ()
+        return (f"cannot prepare: {self.unavailable.message}",)
+
+    def check(self) -> None:
+        """Raise the ``ModelError`` for ``unavailable`` (``prepare`` does, before any effect)."""
+        u = self.unavailable
+        if u is not None:
+            raise ModelError(u.message, subject=u.subject, hint=u.hint)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unavailable:
+    """A module nothing can initialize: the ``ModelError`` ``prepare`` raises, as data."""
+
+    message: str
+    subject: str
+    hint: str
 
 
 @dataclass(frozen=True, kw_only=True)

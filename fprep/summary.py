@@ -74,6 +74,7 @@ def summarize(state: PrepState) -> str:
     notes = [
         *(state.core.notes if state.core else ()),
         *(state.ignored.notes if state.ignored else ()),
+        *(state.param_handles.materialize.notes if state.param_handles else ()),
     ]
     lines.extend(f"  note        {n}" for n in notes)
     if state.applied:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 from _checks import check_plan_order, failure, run_pure, run_until, success, with_rank
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -177,7 +178,8 @@ def check_materialize(state: PrepState, handles: ParamHandleState) -> None:
         assert plan.method == "param_init_fn"
     else:
         assert plan.method == "reset_parameters"
-        assert all(tree.module(m).has_reset_parameters for m in plan.modules)  # type: ignore[union-attr]
+        missing = [m for m in plan.modules if not tree.module(m).has_reset_parameters]  # type: ignore[union-attr]
+        assert (plan.unavailable is None) == (not missing)
 
 
 @given(fst.prep_states(before="init_param_handles", inputs=fst.plan_inputs(trees=SMALL)))
@@ -322,8 +324,12 @@ def test_meta_modules_without_reset_parameters(
     cannot = [m.fqn for m in tree.modules if m.fqn in meta and not m.has_reset_parameters]
     result = run_pure(init_param_handles, state)
     if cannot and not with_init_fn:
-        error = failure(result, ModelError, cannot[0])
-        assert "reset_parameters" in error.message
+        # planned (a plan never needs weights), with a note; prepare refuses it
+        unavailable = success(result).param_handles.materialize.unavailable  # type: ignore[union-attr]
+        assert unavailable is not None and unavailable.subject == cannot[0]
+        assert "reset_parameters" in unavailable.message
+        with pytest.raises(ModelError, match="reset_parameters"):
+            success(result).param_handles.materialize.check()  # type: ignore[union-attr]
     else:
         handles = success(result).param_handles
         assert handles is not None

@@ -96,7 +96,7 @@ def run_phase(
             if owners[i] != rank:
                 continue
             with blame(job):
-                computed = compute(job, init, scratch, device)
+                computed = compute(job, job.init or init, scratch, device)
             sending = []
             for s, full in computed:
                 assert s.spec is not None

@@ -33,6 +33,19 @@ class StandIn:
     dtype: torch.dtype
     device: torch.device
     spec: ShardSpec | None  # set where this rank keeps rows of the result (canonical, sharded)
+    #: Where the init sees it: (module, local name) pairs, more than one when tied in the scope;
+    #: empty: the job's own module, under ``name``.
+    at: tuple[tuple[nn.Module, str], ...] = ()
+    tied: bool = False  # reached only by names other than its canonical one: values discarded
+    written: bool = False  # an earlier init (a descendant's) already gave it values
+
+    def places(self, module: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+        return self.at or ((module, self.name),)
+
+    @property
+    def in_place(self) -> bool:
+        """Not sharded and canonical: the init writes the parameter itself."""
+        return self.spec is None and not self.tied and not is_sharded(self.original)
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +61,11 @@ class Job:
     skip: bool  # nothing its init writes is kept: a leaf whose parameters are all tied elsewhere
     shareable: bool  # a leaf without buffers whose parameters are all sharded
     broadcast_buffers: bool  # non-reproducible mode: holds shards and buffers
+    #: A parent's init that may write its descendants' parameters (Hugging Face, torchtitan,
+    #: ``param_init_fn``): every parameter in its subtree, by its path below ``fqn`` (its own
+    #: included); then ``stand_ins`` is empty. Empty for a module that inits only its own.
+    reach: tuple[StandIn, ...] = ()
+    init: Init | None = None  # what runs on ``module``; None: the caller's ``init``
 
     @property
     def cost(self) -> int:
@@ -55,7 +73,13 @@ class Job:
 
     @property
     def kept(self) -> tuple[StandIn, ...]:
-        return tuple(s for s in self.stand_ins if s.spec is not None)
+        return tuple(s for s in (*self.stand_ins, *self.reach) if s.spec is not None)
+
+    def own(self) -> frozenset[str]:
+        """The paths of ``reach`` that ``module`` registers itself."""
+        return frozenset(
+            s.name for s in self.reach if any(m is self.module for m, _ in s.places(self.module))
+        )
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -77,6 +101,8 @@ def job_for(
     can_skip: bool,
     seed: int,
     shard_rank: int,
+    reach: tuple[StandIn, ...] | None = None,
+    init: Init | None = None,
 ) -> Job:
     prefix = f"{fqn}." if fqn else ""
     stand_ins: list[StandIn] = []
@@ -101,6 +127,18 @@ def job_for(
                     spec=spec if canonical and sharded else None,
                 )
             )
+    if reach is not None:  # (reproducible mode) a parent's init: its subtree through ``reach``
+        return Job(
+            fqn=fqn,
+            module=module,
+            stand_ins=(),
+            seed=module_seed(seed, fqn),
+            skip=False,
+            shareable=False,
+            broadcast_buffers=False,
+            reach=reach,
+            init=init,
+        )
     has_buffers = any(b is not None for b in module._buffers.values())
     leaf = all(
         next(itertools.chain(child.parameters(), child.buffers()), None) is None
@@ -115,7 +153,54 @@ def job_for(
         skip=can_skip and alone and not keeps_any,
         shareable=reproducible and alone and holds_shards and all_sharded,
         broadcast_buffers=not reproducible and holds_shards and has_buffers,
+        init=init,
     )
+
+
+def reach_of(
+    fqn: str,
+    module: nn.Module,
+    specs: dict[str, ShardSpec],
+    device: torch.device,
+    *,
+    materialized: set[int],
+    visited: set[int],
+) -> tuple[StandIn, ...]:
+    """Every parameter a parent's init may write: those of the modules in ``module``'s subtree
+    that are materialized (ids in ``materialized``), one entry per parameter object with every
+    name it has there. ``visited``: ids of the modules whose init already ran (children first),
+    so their parameters hold values a parent's init may read."""
+    prefix = f"{fqn}." if fqn else ""
+    found: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for sub, m in module.named_modules():
+        if id(m) not in materialized:
+            continue
+        dot = f"{sub}." if sub else ""
+        for name, p in m._parameters.items():
+            if p is not None:
+                found.setdefault(id(p), []).append((dot + name, m, name))
+                params[id(p)] = p
+    out: list[StandIn] = []
+    for key, names in found.items():
+        p = params[key]
+        spec = specs.get(prefix + names[0][0])
+        canonical = next((n for n in names if spec is None or spec.fqn == prefix + n[0]), None)
+        path = (canonical or names[0])[0]
+        out.append(
+            StandIn(
+                name=path,
+                original=p,
+                shape=p.shape,
+                dtype=p.dtype,
+                device=device if is_sharded(p) else p.device,
+                spec=spec if canonical is not None and is_sharded(p) else None,
+                at=tuple((m, n) for _, m, n in names),
+                tied=canonical is None,
+                written=any(id(m) in visited for _, m, _ in names),
+            )
+        )
+    return tuple(out)
 
 
 class Scratch:
@@ -131,14 +216,16 @@ class Scratch:
         self._buffers: dict[torch.device, torch.Tensor] = {}
 
     def views(self, stand_ins: Sequence[StandIn]) -> dict[str, torch.Tensor]:
-        """Non-overlapping tensors of the stand-ins' shapes; valid until the next call."""
+        """Non-overlapping tensors of the stand-ins' shapes; valid until the next call. (A
+        parent's init computed in full may need more than planned: the buffer then grows.)"""
         out: dict[str, torch.Tensor] = {}
         for device, group in by_device(stand_ins).items():
+            offsets, size = carve([s.nbytes for s in group])
             buffer = self._buffers.get(device)
-            if buffer is None:
-                buffer = torch.empty(self._need[device], dtype=torch.uint8, device=device)
+            if buffer is None or buffer.numel() < size:
+                need = max(size, self._need.get(device, 0))
+                buffer = torch.empty(need, dtype=torch.uint8, device=device)
                 self._buffers[device] = buffer
-            offsets, _ = carve([s.nbytes for s in group])
             for s, offset in zip(group, offsets, strict=True):
                 out[s.name] = buffer[offset : offset + s.nbytes].view(s.dtype).view(s.shape)
         return out
@@ -186,34 +273,58 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def compute(
-    job: Job, init: Init, scratch: Scratch, device: torch.device
+    job: Job,
+    init: Init,
+    scratch: Scratch,
+    device: torch.device,
+    *,
+    full: frozenset[str] = frozenset(),
+    windows: dict[str, nn.Parameter] | None = None,
+    prefill: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> list[tuple[StandIn, torch.Tensor]]:
     """Run ``job``'s seeded init with its stand-ins in place; the full tensors of the kept ones
     (views of ``scratch``: use them before the next call). The module gets its own parameters
-    back even when the init fails, so no stand-in outlives this call through the module."""
+    back even when the init fails, so no stand-in outlives this call through the module.
+
+    A parent's job (``reach``) gets stand-ins for the paths in ``full`` (``prefill`` gives them
+    their current values first) and ``windows`` (row windows) for the others."""
     module = job.module
+    swapped = [*job.stand_ins, *(s for s in job.reach if s.name in full and not s.in_place)]
     kept: list[tuple[StandIn, torch.Tensor]] = []
+    saved: list[tuple[nn.Module, str, nn.Parameter | None]] = []
+
+    def put(s: StandIn, value: nn.Parameter) -> None:
+        for m, n in s.places(module):
+            saved.append((m, n, m._parameters.get(n)))
+            m._parameters[n] = value
+
     try:
-        views = scratch.views(job.stand_ins)
-        for s in job.stand_ins:
-            module._parameters[s.name] = nn.Parameter(
-                views[s.name], requires_grad=s.original.requires_grad
-            )
+        views = scratch.views(swapped)
+        if prefill is not None:
+            prefill(views)
+        for s in swapped:
+            put(s, nn.Parameter(views[s.name], requires_grad=s.original.requires_grad))
+        for s in job.reach:
+            if windows is not None and s.name in windows:
+                put(s, windows[s.name])
         with seeded(job.seed, device):
             init(module)
-        for s in job.kept:
-            full = module._parameters.get(s.name)
-            if full is None or full.shape != s.shape or full.dtype != s.dtype:
-                what = "removed" if full is None else f"replaced it with {full.dtype} {full.shape}"
+        for s in swapped:
+            if s.spec is None:
+                continue
+            owner, local = s.places(module)[0]
+            got = owner._parameters.get(local)
+            if got is None or got.shape != s.shape or got.dtype != s.dtype:
+                what = "removed" if got is None else f"replaced it with {got.dtype} {got.shape}"
                 raise PrepareError(
                     f"initializing module {job.fqn or '<root>'!r} {what}: its parameter "
                     f"{s.name!r} must stay {s.dtype} {s.shape}.",
                     subject=job.fqn,
                 )
-            kept.append((s, full.detach()))
+            kept.append((s, got.detach()))
     finally:
-        for s in job.stand_ins:
-            module._parameters[s.name] = s.original
+        for m, n, v in reversed(saved):
+            m._parameters[n] = v
     return kept
 
 

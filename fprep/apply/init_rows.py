@@ -34,9 +34,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fprep.apply.init_jobs import Init, Job, check_shard, seeded
+from fprep.apply.init_jobs import (
+    Init,
+    Job,
+    Scratch,
+    StandIn,
+    blame,
+    check_shard,
+    compute,
+    keep_rows,
+    local_of,
+    seeded,
+)
 from fprep.apply.init_schedule import (
     BLOCK_ELEMENTS,
     block_rows,
@@ -102,7 +114,33 @@ _DATA: Any = vars(torch._C.TensorBase)["data"]
 
 
 class NotRowLocal(Exception):
-    """The init did something a window cannot do on its rows alone."""
+    """The init did something a window cannot do on its rows alone; ``keys``: the names of the
+    windows it did it to (filled in by ``__torch_dispatch__``)."""
+
+    def __init__(self, message: str, *windows: RowWindow) -> None:
+        super().__init__(message)
+        self.keys: set[str] = {w.track.key for w in windows if w.track is not None}
+
+
+@dataclass(eq=False)
+class Track:
+    """One parameter's window, shared by its views: its name, and (for a parameter an earlier
+    init already wrote) a copy of its rows taken before the first write, so that an attempt
+    that is put back leaves them as they were."""
+
+    key: str
+    rows: torch.Tensor
+    keep: bool = False
+    backup: torch.Tensor | None = None
+
+    def before_write(self) -> None:
+        if self.keep and self.backup is None:
+            self.backup = self.rows.clone()
+
+    def undo(self) -> None:
+        if self.backup is not None:
+            self.rows.copy_(self.backup)
+            self.backup = None
 
 
 @dataclass(eq=False)
@@ -137,6 +175,7 @@ class RowWindow(torch.Tensor):
     rows: torch.Tensor
     start: int
     fills: Fills | None
+    track: Track | None
 
     @staticmethod
     def __new__(
@@ -148,11 +187,12 @@ class RowWindow(torch.Tensor):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        track: Track | None = None,
     ) -> RowWindow:
         window: RowWindow = torch.Tensor._make_wrapper_subclass(
             cls, tuple(shape), dtype=dtype, device=device, requires_grad=False
         )
-        window.rows, window.start, window.fills = rows, start, fills
+        window.rows, window.start, window.fills, window.track = rows, start, fills, track
         return window
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -163,7 +203,9 @@ class RowWindow(torch.Tensor):
     def _like(
         self, shape: Sequence[int], rows: torch.Tensor, start: int, fills: Fills | None
     ) -> RowWindow:
-        return RowWindow(shape, rows, start, fills, dtype=self.dtype, device=self.device)
+        return RowWindow(
+            shape, rows, start, fills, dtype=self.dtype, device=self.device, track=self.track
+        )
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -174,6 +216,18 @@ class RowWindow(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        try:
+            return cls._dispatch(func, args, kwargs)
+        except NotRowLocal as e:
+            e.keys.update(
+                a.track.key
+                for a in (*args, *kwargs.values())
+                if isinstance(a, RowWindow) and a.track is not None
+            )
+            raise
+
+    @classmethod
+    def _dispatch(cls, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         self = args[0] if args else None
         others = [*args[1:], *kwargs.values()]
         if not isinstance(self, RowWindow) or any(isinstance(a, RowWindow) for a in others):
@@ -181,6 +235,8 @@ class RowWindow(torch.Tensor):
         if func in ALIASES:
             return self._like(self.shape, self.rows, self.start, self.fills)
         if func in RANDOM_FILLS:
+            if self.track is not None:
+                self.track.before_write()
             self._fill(func, args[1:], kwargs)
             return self
         if func is aten.select.int:
@@ -190,6 +246,8 @@ class RowWindow(torch.Tensor):
         if func in PLACING or (func in EXACT and self._exact(kwargs)):
             rest = [self._operand(a) for a in args[1:]]
             named = {k: self._operand(v) for k, v in kwargs.items()}
+            if self.track is not None:
+                self.track.before_write()
             func(self.rows, *rest, **named)
             return self
         raise NotRowLocal(f"{func} on a parameter stand-in")
@@ -202,13 +260,13 @@ class RowWindow(torch.Tensor):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        raise NotRowLocal("assigning .data of a parameter stand-in")
+        raise NotRowLocal("assigning .data of a parameter stand-in", self)
 
     def data_ptr(self) -> int:
-        raise NotRowLocal("the address of a parameter stand-in")
+        raise NotRowLocal("the address of a parameter stand-in", self)
 
     def untyped_storage(self) -> torch.UntypedStorage:
-        raise NotRowLocal("the storage of a parameter stand-in")
+        raise NotRowLocal("the storage of a parameter stand-in", self)
 
     # -- ops -------------------------------------------------------------------------------------
     def _exact(self, kwargs: dict[str, Any]) -> bool:
@@ -305,6 +363,7 @@ def window_for(
     name: str,
     device: torch.device,
     elements: int = BLOCK_ELEMENTS,
+    keep: bool = False,
 ) -> nn.Parameter:
     """A window onto ``rows`` (rows ``start`` onwards of the full ``p``; None: none of them), as
     a parameter (a ``RowWindow`` that ``isinstance(..., nn.Parameter)`` accepts, as its init
@@ -312,8 +371,31 @@ def window_for(
     if rows is None:
         rows, start = _nothing(p.shape, p.dtype, device), 0
     fills = Fills(seed=seed, name=name, per_block=block_rows(p.shape, elements))
-    window = RowWindow(p.shape, rows, start, fills, dtype=p.dtype, device=rows.device)
+    track = Track(key=name, rows=rows, keep=keep)
+    window = RowWindow(p.shape, rows, start, fills, dtype=p.dtype, device=rows.device, track=track)
     return nn.Parameter(window, requires_grad=p.requires_grad)
+
+
+def _window_of(s: StandIn, world: int, rank: int, seed: int) -> nn.Parameter:
+    """A window for one entry of a parent's ``reach``, named by its path."""
+    rows: torch.Tensor | None
+    if s.in_place:  # not sharded: every row, in place
+        rows, start, device = s.original, 0, s.original.device
+    elif s.spec is None:  # tied: another name's init gives its values
+        rows, start, device = None, 0, s.device
+    else:
+        start, stop = row_span(s.spec, world, rank)
+        rows, device = check_shard(s)[: stop - start], s.device
+    return window_for(
+        s.original, rows, start, seed=seed, name=s.name, device=device, keep=s.written
+    )
+
+
+def reach_windows(
+    job: Job, world: int, rank: int, full: frozenset[str] = frozenset()
+) -> dict[str, nn.Parameter]:
+    """Windows for the entries of ``job.reach`` not in ``full`` (computed in full instead)."""
+    return {s.name: _window_of(s, world, rank, job.seed) for s in job.reach if s.name not in full}
 
 
 def _windows(job: Job, world: int, rank: int) -> dict[str, nn.Parameter]:
@@ -335,38 +417,146 @@ def _windows(job: Job, world: int, rank: int) -> dict[str, nn.Parameter]:
     return out
 
 
+def _places(job: Job, windows: dict[str, nn.Parameter]) -> list[tuple[nn.Module, str]]:
+    if not job.reach:
+        return [(job.module, name) for name in windows]
+    return [place for s in job.reach if s.name in windows for place in s.places(job.module)]
+
+
+def _undo_writes(windows: dict[str, nn.Parameter]) -> None:
+    """Put back the rows of parameters an earlier init wrote, as the attempt found them."""
+    for w in windows.values():
+        track = getattr(w, "track", None)
+        if isinstance(track, Track):
+            track.undo()
+
+
 def init_by_rows(
     job: Job,
     init: Init,
     device: torch.device,
     world: int,
     rank: int,
+    blamed: set[str] | None = None,
 ) -> bool:
     """Run ``job``'s init on row windows; whether every op it made was row-local.
 
     On False, whatever the attempt did is for the full computation to overwrite: the module and
     its children are rolled back as ``prepare`` rolls back a failed step (``Rollback``: their
     parameter, buffer and child tables and attributes as they were; an init that marks a module
-    done, as Hugging Face's does, must not skip the second run). An init that
-    keeps a window (as an attribute) is refused too: no window outlives its init.
+    done, as Hugging Face's does, must not skip the second run), and the rows of parameters an
+    earlier init wrote are put back. An init that keeps a window (as an attribute) is refused
+    too: no window outlives its init. ``blamed`` collects the names of the parameters the
+    refused op was applied to (the paths of a parent's ``reach``).
     """
     module = job.module
     undo = Rollback.of(module)
-    original = dict(module._parameters)
+    placed: dict[str, nn.Parameter] = {}
+    saved: list[tuple[nn.Module, str, nn.Parameter | None]] = []
     ok = False
     try:
-        placed = _windows(job, world, rank)
-        module._parameters.update(placed)
+        placed = reach_windows(job, world, rank) if job.reach else _windows(job, world, rank)
+        by_place = _places(job, placed)
+        for (m, n), w in zip(by_place, _values_at(job, placed), strict=True):
+            saved.append((m, n, m._parameters.get(n)))
+            m._parameters[n] = w
         with seeded(job.seed, device):
             init(module)
         ok = all(
-            module._parameters.get(name) is w and isinstance(w, RowWindow)  # (swap_tensors)
-            for name, w in placed.items()
-        ) and not any(isinstance(v, RowWindow) for v in module.__dict__.values())
-    except Exception:  # NotRowLocal, or anything the full computation will report
+            m._parameters.get(n) is w and isinstance(w, RowWindow)  # (swap_tensors)
+            for (m, n), w in zip(by_place, _values_at(job, placed), strict=True)
+        ) and not any(isinstance(v, RowWindow) for m, _ in by_place for v in m.__dict__.values())
+    except NotRowLocal as e:
+        if blamed is not None:
+            blamed.update(e.keys)
+    except Exception:  # anything the full computation will report
         ok = False
     finally:
-        module._parameters.update(original)  # (a parameter the init added stays, as in eager)
+        for m, n, v in reversed(saved):  # (a parameter the init added stays, as in eager)
+            m._parameters[n] = v
     if not ok:
+        _undo_writes(placed)
         undo.restore()
     return ok
+
+
+def _values_at(job: Job, windows: dict[str, nn.Parameter]) -> list[nn.Parameter]:
+    """The window for each of ``_places(job, windows)``, in the same order."""
+    if not job.reach:
+        return list(windows.values())
+    return [windows[s.name] for s in job.reach if s.name in windows for _ in s.places(job.module)]
+
+
+def current_full(
+    s: StandIn, world: int, rank: int, group: Any, device: torch.device
+) -> torch.Tensor | None:
+    """The full current value of ``s`` (sharded: its rows gathered from the shard group, in
+    order; None where the ranks do not talk, as with ``sync_module_states``)."""
+    local = check_shard(s) if s.spec is not None else local_of(s.original)
+    if s.spec is None or world == 1:
+        return local
+    if group is None:
+        return None
+    padded = s.spec.padded_shape[0]
+    chunk = torch.zeros((padded, *s.shape[1:]), dtype=s.dtype, device=device)
+    start, stop = row_span(s.spec, world, rank)
+    chunk[: stop - start].copy_(local[: stop - start])
+    parts = [torch.empty_like(chunk) for _ in range(world)]
+    dist.all_gather(parts, chunk, group=group)
+    return torch.cat(parts)[: s.shape[0]]
+
+
+def init_in_full(
+    job: Job,
+    init: Init,
+    scratch: Scratch,
+    device: torch.device,
+    world: int,
+    rank: int,
+    group: Any,
+    blamed: set[str],
+) -> None:
+    """A parent's init that is not row-local (on every rank, in walk order): the parameters it
+    did that to, and its own, are computed in full on stand-ins (from their current values where
+    an earlier init wrote them), every other one in its subtree stays a row window. An attempt
+    that refuses another parameter is put back and retried with that one in full too, so which
+    parameters go in full depends on the init code alone, never on the world size."""
+    full = frozenset(blamed) | job.own()
+    with blame(job):
+        for s in job.kept:
+            check_shard(s)
+        while True:
+            undo = Rollback.of(job.module)
+            windows = reach_windows(job, world, rank, full)
+            direct = {
+                s.name: s.original.detach().clone()
+                for s in job.reach
+                if s.name in full and s.in_place and s.written
+            }
+
+            def prefill(views: dict[str, torch.Tensor]) -> None:
+                for s in job.reach:
+                    if s.written and s.name in views:
+                        value = current_full(s, world, rank, group, device)
+                        if value is not None:
+                            views[s.name].copy_(value)
+
+            try:
+                computed = compute(
+                    job, init, scratch, device, full=full, windows=windows, prefill=prefill
+                )
+            except NotRowLocal as e:
+                more = (e.keys & {s.name for s in job.reach}) - full
+                _undo_writes(windows)
+                undo.restore()
+                with torch.no_grad():
+                    for s in job.reach:
+                        if s.name in direct:
+                            s.original.copy_(direct[s.name])
+                if not more:
+                    raise
+                full |= more
+                continue
+            for s, value in computed:
+                keep_rows(s, value, world, rank)
+            return

@@ -41,6 +41,9 @@ this module is the step that runs them.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,10 +56,11 @@ from fprep.apply.init_exchange import (
     check_same_modules,
     run_phase,
 )
-from fprep.apply.init_jobs import Init, Scratch, job_for, run_everywhere
-from fprep.apply.init_rows import init_by_rows
+from fprep.apply.init_jobs import Init, Scratch, job_for, reach_of, run_everywhere
+from fprep.apply.init_rows import init_by_rows, init_in_full
 from fprep.apply.init_schedule import schedule, shares_work
 from fprep.apply.steps import handles_of, step
+from fprep.errors import PrepareError
 from fprep.progress import Progress
 from fprep.state import PrepState, ShardSpec, need
 
@@ -65,15 +69,95 @@ from fprep.state import PrepState, ShardSpec, need
 ROW_LOCAL = True
 
 
-def _initializer(state: PrepState) -> Init:
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()  # type: ignore[operator]
+
+
+def _init_weights(module: nn.Module) -> None:
+    module.init_weights()  # type: ignore[operator]
+
+
+def _hf(owner: nn.Module) -> Init:
+    """Hugging Face's per-module step of ``initialize_weights``: the owner's ``_init_weights``
+    under transformers' guard of ``torch.nn.init`` (which leaves tensors flagged
+    ``_is_hf_initialized`` alone), then the module marked done. A stale module flag (a model
+    built, then moved to meta) is not obeyed: its tensors are on meta, so nothing loaded them."""
+    guard = importlib.import_module("transformers.initialization").guard_torch_init_functions
+    run: Init = getattr(owner, "_init_weights")  # noqa: B009 (an nn.Module attribute)
+
+    def init(module: nn.Module) -> None:
+        with guard():
+            run(module)
+        setattr(module, "_is_hf_initialized", True)  # noqa: B010
+
+    return init
+
+
+def _inits(state: PrepState, model: nn.Module) -> list[Init]:
+    """What runs on each visit of the plan, in order."""
+    plan = need(state.param_handles, "init_param_handles", "materialize").materialize
     fn = state.config.param_init_fn
-    if fn is not None:
-        return fn
+    if plan.method == "hf_init_weights":
+        default = getattr(fn, "__self__", model)
+        owners: dict[str | None, Init] = {}
+        out = []
+        for owner in plan.owners:
+            if owner not in owners:
+                owners[owner] = _hf(default if owner is None else model.get_submodule(owner))
+            out.append(owners[owner])
+        return out
+    one: Init = (
+        fn
+        if plan.method == "param_init_fn" and fn is not None
+        else _init_weights
+        if plan.method == "init_weights"
+        else _reset
+    )
+    return [one] * len(plan.visits)
 
-    def reset(module: nn.Module) -> None:
-        module.reset_parameters()  # type: ignore[operator]
 
-    return reset
+@contextlib.contextmanager
+def _loaded_flagged(model: nn.Module, materialized: set[int], on: bool) -> Iterator[None]:
+    """Hugging Face: flag the parameters that are not materialized (real values: loaded or set
+    by the user) ``_is_hf_initialized`` for the walk, as transformers' loader does, so that a
+    parent's ``_init_weights`` leaves them alone; flags fprep set are removed after."""
+    flagged: list[nn.Parameter] = []
+    if on:
+        for m in model.modules():
+            if id(m) in materialized:
+                continue
+            for p in m._parameters.values():
+                if p is not None and not getattr(p, "_is_hf_initialized", False):
+                    setattr(p, "_is_hf_initialized", True)  # noqa: B010
+                    flagged.append(p)
+    try:
+        yield
+    finally:
+        for p in flagged:
+            delattr(p, "_is_hf_initialized")
+
+
+def _mark_unwritten(modules: list[tuple[str, nn.Module]]) -> None:
+    """Fill floating-point buffers with NaN, so that one no init writes is noticed."""
+    for _, module in modules:
+        for b in module._buffers.values():
+            if b is not None and b.is_floating_point():
+                b.fill_(float("nan"))
+
+
+def _check_written(modules: list[tuple[str, nn.Module]], method: str) -> None:
+    """Refuse a floating-point buffer that no init wrote (all NaN): it would hold garbage."""
+    for fqn, module in modules:
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.numel() and bool(b.isnan().all()):
+                where = f"{fqn}.{name}" if fqn else name
+                raise PrepareError(
+                    f"buffer {where!r} was on the meta device and its module's initialization "
+                    f"({method}) did not write it: it would hold garbage.",
+                    subject=where,
+                    hint="Initialize the buffer in reset_parameters() / _init_weights / "
+                    "init_weights (or your param_init_fn), or build the model with real buffers.",
+                )
 
 
 def _agreed_initial_seed(groups: list[Any], device: torch.device) -> int:
@@ -135,8 +219,10 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
     group = live.process_group if mesh_groups and world > 1 else None
     if plan.method == "none":
         return state, model
+    plan.check()
     storage = torch.device("cpu") if core.offload == "cpu" else device
-    init = _initializer(state)
+    inits = _inits(state, model)
+    default = inits[0] if inits else _reset
     seed = cfg.seed
     if seed is None:
         # Only where every rank materializes (checked above); DDP, fast_ddp and
@@ -144,25 +230,44 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         seed = _agreed_initial_seed(mesh_groups, device)
     specs = {name: s for s in (*handles.specs, *handles.ignored) for name in s.names}
     modules = [(fqn, model.get_submodule(fqn)) for fqn in plan.modules]
-    with torch.no_grad():
+    materialized = {id(m) for _, m in modules}
+    # A parent's init (everything but reset_parameters) may write its children: in reproducible
+    # mode its whole subtree is behind row windows, seeded from the parent's FQN.
+    parents = cfg.reproducible_init and plan.method != "reset_parameters"
+    with torch.no_grad(), _loaded_flagged(model, materialized, plan.method == "hf_init_weights"):
         # Allocate everything first: a tied parameter is reachable from several modules, and
         # allocating it again after one of them initialized it would lose those values.
         for _, module in modules:
             module.to_empty(device=storage, recurse=False)
         _retie(model, specs)
-        jobs = [
-            job_for(
-                fqn,
-                module,
-                specs,
-                device,
-                reproducible=cfg.reproducible_init,
-                can_skip=plan.method == "reset_parameters",
-                seed=seed,
-                shard_rank=rank,
+        _mark_unwritten(modules)
+        jobs = []
+        visited: set[int] = set()
+        for fqn, init in zip(plan.visits, inits, strict=True):
+            module = model.get_submodule(fqn)
+            below = parents and any(
+                id(m) in materialized for m in module.modules() if m is not module
             )
-            for fqn, module in modules
-        ]
+            reach = (
+                reach_of(fqn, module, specs, device, materialized=materialized, visited=visited)
+                if below
+                else None
+            )
+            jobs.append(
+                job_for(
+                    fqn,
+                    module,
+                    specs,
+                    device,
+                    reproducible=cfg.reproducible_init,
+                    can_skip=plan.method == "reset_parameters",
+                    seed=seed,
+                    shard_rank=rank,
+                    reach=reach,
+                    init=init,
+                )
+            )
+            visited.add(id(module))
         todo = [job for job in jobs if not job.skip]
         backend = need(state.device, "init_device", "materialize").backend
         sharing = (
@@ -185,21 +290,31 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
             for item in work:
                 if isinstance(item, int):
                     job = todo[item]
-                    if not (by_rows and init_by_rows(job, init, device, world, rank)):
+                    init = job.init or default
+                    blamed: set[str] = set()
+                    if not (by_rows and init_by_rows(job, init, device, world, rank, blamed)):
                         in_full.append(job.fqn)
-                        run_everywhere(job, init, scratch, device, world, rank)
+                        if job.reach:
+                            init_in_full(job, init, scratch, device, world, rank, group, blamed)
+                        else:
+                            run_everywhere(job, init, scratch, device, world, rank)
                     if job.broadcast_buffers and group is not None:
                         broadcast_buffers(job.module, group, device)
                     progress.advance()
                     continue
                 phase = [todo[i] for i in item]
                 if by_rows:
-                    phase = [j for j in phase if not init_by_rows(j, init, device, world, rank)]
+                    phase = [
+                        j
+                        for j in phase
+                        if not init_by_rows(j, j.init or default, device, world, rank)
+                    ]
                     progress.advance(len(item) - len(phase))
                     assert group is not None  # phases exist only where ranks share the work
                     check_same_fallbacks([j.fqn for j in phase], group, device)
                 if phase:
-                    run_phase(phase, init, scratch, device, group, world, rank, progress)
+                    run_phase(phase, default, scratch, device, group, world, rank, progress)
             if by_rows and group is not None:
                 check_same_fallbacks(in_full, group, device)
+        _check_written(modules, plan.method)
     return state, model

@@ -28,6 +28,7 @@ from fprep.state import (
     ParamHandleState,
     PrepState,
     ShardSpec,
+    Unavailable,
     WrapUnit,
     need,
 )
@@ -193,7 +194,56 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
     )
 
 
+#: The class whose ``_init_weights`` convention fprep follows (by qualified name: fprep never
+#: imports transformers).
+HF_PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
+
+
+def is_hf_init_weights(fn: object) -> bool:
+    """Whether ``fn`` is a ``PreTrainedModel``'s bound ``_init_weights`` (looked at, not run)."""
+    func, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
+    if getattr(func, "__name__", None) != "_init_weights" or owner is None:
+        return False
+    return any(f"{k.__module__}.{k.__qualname__}" == HF_PRETRAINED for k in type(owner).__mro__)
+
+
+def _post_order(tree: ModuleTree, keep: set[str]) -> tuple[str, ...]:
+    """The modules in ``keep``, children before parents (``nn.Module.apply``'s order)."""
+    out: list[str] = []
+    stack: list[tuple[str, bool]] = [("", False)]
+    while stack:
+        fqn, expanded = stack.pop()
+        if fqn not in keep:
+            continue
+        if expanded:
+            out.append(fqn)
+            continue
+        stack.append((fqn, True))
+        info = tree.module(fqn)
+        stack.extend((c, False) for c in reversed(info.children if info else ()))
+    return tuple(out)
+
+
+def _hf_owners(tree: ModuleTree, visits: tuple[str, ...]) -> tuple[str | None, ...]:
+    """Per visit, the nearest ``PreTrainedModel`` at or above it (its ``_init_weights`` runs,
+    as ``initialize_weights`` dispatches to sub-models); None: none (the bound one's)."""
+    out: list[str | None] = []
+    for fqn in visits:
+        at: str | None = fqn
+        while at is not None:
+            info = tree.module(at)
+            if info is not None and info.is_a(HF_PRETRAINED):
+                break
+            at = None if at == "" else parent_fqn(at)
+        out.append(at)
+    return tuple(out)
+
+
 def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
+    """How the meta tensors become real. Precedence: ``param_init_fn``, the model's own
+    convention (Hugging Face's ``_init_weights``, then torchtitan's ``init_weights``), then each
+    module's ``reset_parameters``. A module none of them can initialize is kept as a note (a
+    plan never needs weights); ``prepare`` refuses it before any effect."""
     tree, cfg = state.tree, state.config
     left_on_meta = [p.fqn for p in tree.params if p.is_meta and p.fqn in ignored.params]
     left_on_meta += [b.fqn for b in tree.buffers if b.is_meta and b.fqn in ignored.buffers]
@@ -219,19 +269,48 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
             "sync_module_states=False to initialize every rank from the same seed.",
         )
     modules = tuple(m.fqn for m in tree.modules if m.fqn in meta_owners)
-    if cfg.param_init_fn is not None:
-        return MaterializePlan(method="param_init_fn", modules=modules)
-    for fqn in modules:
-        info = tree.module(fqn)
-        if info is not None and not info.has_reset_parameters:
-            raise ModelError(
-                f"module {fqn or '<root>'!r} ({info.class_name}) has parameters or buffers on "
-                "the meta device but no reset_parameters() to initialize them.",
-                subject=fqn,
-                hint="Give the class a reset_parameters() method, or pass "
-                "PrepConfig(param_init_fn=...) to initialize modules yourself.",
-            )
-    return MaterializePlan(method="reset_parameters", modules=modules)
+    containing = {a for fqn in meta_owners for a in _ancestors(fqn)} - ignored.modules
+    walk = _post_order(tree, containing)
+    fn = cfg.param_init_fn
+    root = tree.root
+    if (fn is None and root.is_a(HF_PRETRAINED)) or (fn is not None and is_hf_init_weights(fn)):
+        owners = _hf_owners(tree, walk)
+        return MaterializePlan(
+            method="hf_init_weights", modules=modules, visits=walk, owners=owners
+        )
+    if fn is not None:
+        return MaterializePlan(method="param_init_fn", modules=modules, visits=walk)
+    if root.has_init_weights:
+        return MaterializePlan(method="init_weights", modules=modules, visits=("",))
+    missing = next(
+        (m for m in modules if not (info := tree.module(m)) or not info.has_reset_parameters),
+        None,
+    )
+    unavailable = None
+    if missing is not None:
+        cls = (tree.module(missing) or root).class_name
+        unavailable = Unavailable(
+            message=f"module {missing or '<root>'!r} ({cls}) has parameters or buffers on the "
+            "meta device and nothing to initialize them: no param_init_fn, no model "
+            "convention (Hugging Face _init_weights, torchtitan init_weights) and no "
+            "reset_parameters().",
+            subject=missing,
+            hint="Give the class a reset_parameters() method, or pass "
+            "PrepConfig(param_init_fn=...) (called on every module holding or containing meta "
+            "tensors, children before parents).",
+        )
+    return MaterializePlan(
+        method="reset_parameters", modules=modules, visits=modules, unavailable=unavailable
+    )
+
+
+def _ancestors(fqn: str) -> list[str]:
+    """``fqn`` and every module above it, up to the root."""
+    out = [fqn]
+    while fqn:
+        fqn = parent_fqn(fqn)
+        out.append(fqn)
+    return out
 
 
 @transition
