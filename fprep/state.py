@@ -18,6 +18,7 @@ from fprep.config import PrepConfig
 from fprep.errors import PlanOrderError
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
+from fprep.weights.records import WeightsPlan, WeightsSnapshot
 
 T = TypeVar("T")
 
@@ -72,6 +73,7 @@ class PlanInputs:
     config: PrepConfig
     process_group: GroupSpec | None = None
     mesh: MeshSpec | None = None
+    weights: WeightsSnapshot | None = None  # headers of PrepConfig.weights' files
 
 
 # -- one sub-state per transition ----------------------------------------------------------------
@@ -185,6 +187,7 @@ class StateDictState:
     cpu_offload: bool
     full_on_rank0_only: bool  # full state dicts are gathered on rank 0 only
     broadcast_from_rank0: bool  # full loads read on rank 0 and broadcast
+    weights: WeightsPlan | None = None  # what this rank reads of PrepConfig.weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +235,9 @@ class MaterializePlan:
 
     method: Literal["none", "param_init_fn", "reset_parameters"]
     modules: tuple[str, ...] = ()
+    #: Of ``modules``, those whose parameters and buffers all come from ``PrepConfig.weights``:
+    #: allocated, but not initialized (``load_weights`` fills them).
+    loaded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +291,7 @@ class PrepState:
         *,
         process_group: GroupSpec | None = None,
         mesh: MeshSpec | None = None,
+        weights: WeightsSnapshot | None = None,
     ) -> PrepState:
         return cls(
             inputs=PlanInputs(
@@ -293,6 +300,7 @@ class PrepState:
                 config=config,
                 process_group=process_group,
                 mesh=mesh,
+                weights=weights,
             )
         )
 

@@ -150,6 +150,10 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         for _, module in modules:
             module.to_empty(device=storage, recurse=False)
         _retie(model, specs)
+        # Modules PrepConfig.weights fills completely: allocated above, never initialized
+        # (load_weights, the next step, writes every one of their values).
+        loaded = frozenset(plan.loaded)
+        modules = [(fqn, module) for fqn, module in modules if fqn not in loaded]
         jobs = [
             job_for(
                 fqn,

@@ -219,11 +219,15 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
             "sync_module_states=False to initialize every rank from the same seed.",
         )
     modules = tuple(m.fqn for m in tree.modules if m.fqn in meta_owners)
+    # Modules PrepConfig.weights fills completely are allocated but not initialized.
+    weights = state.state_dict.weights if state.state_dict is not None else None
+    loaded = frozenset(weights.loaded_modules if weights is not None else ()) & meta_owners
+    kept = tuple(m for m in modules if m in loaded)
     if cfg.param_init_fn is not None:
-        return MaterializePlan(method="param_init_fn", modules=modules)
+        return MaterializePlan(method="param_init_fn", modules=modules, loaded=kept)
     for fqn in modules:
         info = tree.module(fqn)
-        if info is not None and not info.has_reset_parameters:
+        if info is not None and not info.has_reset_parameters and fqn not in loaded:
             raise ModelError(
                 f"module {fqn or '<root>'!r} ({info.class_name}) has parameters or buffers on "
                 "the meta device but no reset_parameters() to initialize them.",
@@ -231,7 +235,7 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
                 hint="Give the class a reset_parameters() method, or pass "
                 "PrepConfig(param_init_fn=...) to initialize modules yourself.",
             )
-    return MaterializePlan(method="reset_parameters", modules=modules)
+    return MaterializePlan(method="reset_parameters", modules=modules, loaded=kept)
 
 
 @transition
