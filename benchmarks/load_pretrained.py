@@ -15,8 +15,8 @@ parameters sharded by FSDP2, two ways:
 
 Each variant runs in fresh processes (spawned), after the process group exists and the variant
 has loaded a small checkpoint once (first-use imports); the timed region is the construction
-(``from_pretrained``, or the meta model) plus the preparation. Memory is the peak resident set (``VmHWM``, reset through
-``/proc/self/clear_refs`` just before the timed region; ``ru_maxrss`` where that is not
+(``from_pretrained``, or the meta model) plus the preparation. Memory is the peak resident set
+(``VmHWM``, reset through ``/proc/self/clear_refs`` just before the timed region; ``ru_maxrss`` where that is not
 writable) minus the resident set at that moment, per rank, the worse rank counted. Targets:
 fprep's peak <= 1.05 x this rank's shard (float32 bytes) + 64 MiB; fprep's time <= hf's.
 """
@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     peak_ok = med("fprep", "peak") <= bound
     print(
-        f"fprep / hf: time {time_ratio:.2f} (target <= 1: {'met' if time_ratio <= 1 else 'MISSED'}), "
+        f"fprep / hf: time {time_ratio:.2f} "
+        f"(target <= 1: {'met' if time_ratio <= 1 else 'MISSED'}), "
         f"peak {med('fprep', 'peak') / med('hf', 'peak'):.2f}; "
         f"peak vs 1.05 x shard + 64 MiB: {'met' if peak_ok else 'MISSED'}"
     )
