@@ -79,7 +79,7 @@ def test_a_model_that_is_not_on_meta_is_overwritten(gpt2: Path) -> None:
 def test_export_full_file_loads_back(tmp_path: Path, llama: Path) -> None:
     state, model = prepared("llama", llama)
     fprep.export_full(tmp_path / "model.safetensors", state, model)
-    again, model2 = prepared("llama", tmp_path / "model.safetensors")
+    _, model2 = prepared("llama", tmp_path / "model.safetensors")
     assert mismatches(full_state(model2), full_state(model)) == []
 
 
