@@ -18,7 +18,8 @@ has loaded a small checkpoint once (first-use imports); the timed region is the 
 (``from_pretrained``, or the meta model) plus the preparation. Memory is the peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the timed region;
 ``ru_maxrss`` where that is not writable) minus the resident set at that moment, per rank,
-the worse rank counted. Targets: fprep's peak <= 1.05 x this rank's shard (float32 bytes) + 64 MiB; fprep's time <= hf's.
+the worse rank counted. Targets: fprep's peak <= 1.05 x this rank's shard (float32 bytes)
++ 64 MiB; fprep's time <= hf's.
 """
 
 from __future__ import annotations
