@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, get_args
@@ -255,6 +256,10 @@ class PrepConfig:
     param_init_fn: ParamInitFn | None = None
     reproducible_init: bool = True
     seed: int | None = None
+    # pretrained weights, read straight into each rank's shards (docs/finetune.md)
+    weights: str | os.PathLike[str] | None = None  # kept as a str
+    weights_extra_keys: tuple[str, ...] = ()
+    weights_missing_keys: tuple[str, ...] = ()
     # data loading
     even_batches: bool = True
     split_batches: bool = False
@@ -334,6 +339,7 @@ class PrepConfig:
             _check_int(o, "seed", self.seed, minimum=0)
         _check_choice(o, "state_dict_type", self.state_dict_type, StateDictType)
         _check_number(o, "timeout_s", self.timeout_s)
+        _check_weights(self)
 
     # -- conveniences ----------------------------------------------------------------------
     def replace(self, **changes: Any) -> PrepConfig:
@@ -404,6 +410,37 @@ def _build(cls: Any, data: Mapping[str, Any], owner: str) -> Any:
                 hint=f"Did you mean {close[0]!r}?" if close else f"Fields: {', '.join(names)}.",
             )
     return cls(**data)
+
+
+def _check_weights(cfg: PrepConfig) -> None:
+    """``weights`` is a path (kept as a string, so the config stays plain data); the key
+    patterns (``fnmatch``, e.g. ``"lm_head.*"``) only make sense with it. Whether the path
+    exists is found while planning, where the files are read."""
+    o = "PrepConfig"
+    if cfg.weights is not None:
+        path = cfg.weights
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise _fail(
+                o,
+                "weights",
+                f"must be a path (str or os.PathLike) or None; got {cfg.weights!r}.",
+                "Pass a save_pretrained directory or a .safetensors file.",
+            )
+        object.__setattr__(cfg, "weights", path)
+    for name in ("weights_extra_keys", "weights_missing_keys"):
+        patterns = _names_tuple(o, name, getattr(cfg, name))
+        object.__setattr__(cfg, name, patterns)
+        if any(not p for p in patterns):
+            raise _fail(o, name, "contains an empty pattern.")
+        if patterns and cfg.weights is None:
+            raise _fail(
+                o,
+                name,
+                "is set but weights is not.",
+                f"Set weights=PATH, or drop {name}.",
+            )
 
 
 def _check_device(device: object) -> None:

@@ -6,6 +6,7 @@ result is itself a transition, so a custom plan is ``chain(*DEFAULT_TRANSITIONS,
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from returns.result import Failure, Result, Success
@@ -28,6 +29,7 @@ from fprep.transitions import (
     init_runtime,
     init_state_dict,
 )
+from fprep.weights.source import snapshot as weights_snapshot
 
 #: The default planning pipeline, in the order each transition's inputs become available.
 DEFAULT_TRANSITIONS: tuple[Transition, ...] = (
@@ -126,6 +128,9 @@ def initial_state(
         topology if topology is not None else Topology.from_env(),
         process_group=None if process_group is None else group_spec(process_group),
         mesh=None if mesh is None else mesh_spec(mesh),
+        # Headers only (the I/O of planning, like reading a mesh): checked against the model
+        # by init_state_dict, read by the load_weights step.
+        weights=None if cfg.weights is None else weights_snapshot(os.fspath(cfg.weights)),
     )
 
 

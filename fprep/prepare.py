@@ -7,13 +7,14 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
 3. ``compile_regions``    regional ``torch.compile`` of the repeated blocks
 4. ``shard``              FSDP2 ``fully_shard`` per unit, then the root (fsdp, hsdp)
 5. ``materialize``        meta -> real, only this rank's shards (reproducible by default)
-6. ``place``              move a replicated model to the compute device
-7. ``sync_module_states`` rank 0's weights to every rank (fsdp, hsdp; DDP does it itself)
-8. ``precision``          autocast with float32 outputs; fp16 grad scaler; fp8 conversion
-9. ``replicate``          DistributedDataParallel and its comm hook (ddp)
-10. ``fast_ddp``          broadcast from rank 0 once (fast_ddp)
-11. ``compile_whole``     whole-model ``torch.compile``
-12. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
+6. ``load_weights``       ``PrepConfig.weights``: each rank reads its own rows from the files
+7. ``place``              move a replicated model to the compute device
+8. ``sync_module_states`` rank 0's weights to every rank (fsdp, hsdp; DDP does it itself)
+9. ``precision``          autocast with float32 outputs; fp16 grad scaler; fp8 conversion
+10. ``replicate``         DistributedDataParallel and its comm hook (ddp)
+11. ``fast_ddp``          broadcast from rank 0 once (fast_ddp)
+12. ``compile_whole``     whole-model ``torch.compile``
+13. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
 
 Everything the plan can reject is rejected before step 1, so a failed ``prepare`` leaves the
 model exactly as it was. A failure the plan cannot foresee (a user's ``reset_parameters``
@@ -47,6 +48,7 @@ from fprep.apply import (
     sync_module_states,
 )
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
+from fprep.apply.load_weights import load_weights
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.config import PrepConfig
@@ -80,6 +82,7 @@ def default_steps(*, mesh: Any = None, process_group: Any = None) -> tuple[Step,
         compile_regions,
         shard,
         materialize,
+        load_weights,
         place,
         sync_module_states,
         precision,

@@ -18,6 +18,7 @@ from fprep.config import PrepConfig
 from fprep.errors import ModelError, PlanOrderError
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
+from fprep.weights.records import WeightsPlan, WeightsSnapshot
 
 T = TypeVar("T")
 
@@ -72,6 +73,7 @@ class PlanInputs:
     config: PrepConfig
     process_group: GroupSpec | None = None
     mesh: MeshSpec | None = None
+    weights: WeightsSnapshot | None = None  # headers of PrepConfig.weights' files
 
 
 # -- one sub-state per transition ----------------------------------------------------------------
@@ -185,6 +187,7 @@ class StateDictState:
     cpu_offload: bool
     full_on_rank0_only: bool  # full state dicts are gathered on rank 0 only
     broadcast_from_rank0: bool  # full loads read on rank 0 and broadcast
+    weights: WeightsPlan | None = None  # what this rank reads of PrepConfig.weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,6 +251,9 @@ class MaterializePlan:
     visits: tuple[str, ...] = ()
     owners: tuple[str | None, ...] = ()
     unavailable: Unavailable | None = None
+    #: Of ``modules``, those whose parameters and buffers all come from ``PrepConfig.weights``:
+    #: allocated, but not initialized (``load_weights`` fills them).
+    loaded: tuple[str, ...] = ()
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -322,6 +328,7 @@ class PrepState:
         *,
         process_group: GroupSpec | None = None,
         mesh: MeshSpec | None = None,
+        weights: WeightsSnapshot | None = None,
     ) -> PrepState:
         return cls(
             inputs=PlanInputs(
@@ -330,6 +337,7 @@ class PrepState:
                 config=config,
                 process_group=process_group,
                 mesh=mesh,
+                weights=weights,
             )
         )
 

@@ -230,17 +230,23 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         seed = _agreed_initial_seed(mesh_groups, device)
     specs = {name: s for s in (*handles.specs, *handles.ignored) for name in s.names}
     modules = [(fqn, model.get_submodule(fqn)) for fqn in plan.modules]
-    materialized = {id(m) for _, m in modules}
+    # Modules PrepConfig.weights fills completely: allocated here, never initialized
+    # (load_weights, the next step, writes every one of their values).
+    loaded = frozenset(plan.loaded)
+    inited = [(fqn, module) for fqn, module in modules if fqn not in loaded]
+    materialized = {id(m) for _, m in inited}
     # A parent's init (everything but reset_parameters) may write its children: in reproducible
     # mode its whole subtree is behind row windows, seeded from the parent's FQN.
     parents = cfg.reproducible_init and plan.method != "reset_parameters"
-    with torch.no_grad(), _loaded_flagged(model, materialized, plan.method == "hf_init_weights"):
+    with torch.no_grad(), contextlib.ExitStack() as flags:
         # Allocate everything first: a tied parameter is reachable from several modules, and
         # allocating it again after one of them initialized it would lose those values.
         for _, module in modules:
             module.to_empty(device=storage, recurse=False)
         _retie(model, specs)
-        _mark_unwritten(modules)
+        _mark_unwritten(inited)
+        # Flagged once allocated: to_empty swaps a DTensor parameter's contents, flags included.
+        flags.enter_context(_loaded_flagged(model, materialized, plan.method == "hf_init_weights"))
         jobs = []
         visited: set[int] = set()
         for fqn, init in zip(plan.visits, inits, strict=True):
@@ -316,5 +322,5 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
                     run_phase(phase, default, scratch, device, group, world, rank, progress)
             if by_rows and group is not None:
                 check_same_fallbacks(in_full, group, device)
-        _check_written(modules, plan.method)
+        _check_written(inited, plan.method)
     return state, model

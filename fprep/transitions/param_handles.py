@@ -269,21 +269,33 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
             "sync_module_states=False to initialize every rank from the same seed.",
         )
     modules = tuple(m.fqn for m in tree.modules if m.fqn in meta_owners)
-    containing = {a for fqn in meta_owners for a in _ancestors(fqn)} - ignored.modules
+    # Modules PrepConfig.weights fills completely are allocated but not initialized: only the
+    # others (and the modules containing them) are visited.
+    weights = state.state_dict.weights if state.state_dict is not None else None
+    loaded = frozenset(weights.loaded_modules if weights is not None else ()) & meta_owners
+    kept = tuple(m for m in modules if m in loaded)
+    to_init = tuple(m for m in modules if m not in loaded)
+    if not to_init:
+        return MaterializePlan(method="reset_parameters", modules=modules, loaded=kept)
+    containing = {a for fqn in to_init for a in _ancestors(fqn)} - ignored.modules
     walk = _post_order(tree, containing)
     fn = cfg.param_init_fn
     root = tree.root
     if (fn is None and root.is_a(HF_PRETRAINED)) or (fn is not None and is_hf_init_weights(fn)):
         owners = _hf_owners(tree, walk)
         return MaterializePlan(
-            method="hf_init_weights", modules=modules, visits=walk, owners=owners
+            method="hf_init_weights",
+            modules=modules,
+            visits=walk,
+            owners=owners,
+            loaded=kept,
         )
     if fn is not None:
-        return MaterializePlan(method="param_init_fn", modules=modules, visits=walk)
+        return MaterializePlan(method="param_init_fn", modules=modules, visits=walk, loaded=kept)
     if root.has_init_weights:
-        return MaterializePlan(method="init_weights", modules=modules, visits=("",))
+        return MaterializePlan(method="init_weights", modules=modules, visits=("",), loaded=kept)
     missing = next(
-        (m for m in modules if not (info := tree.module(m)) or not info.has_reset_parameters),
+        (m for m in to_init if not (info := tree.module(m)) or not info.has_reset_parameters),
         None,
     )
     unavailable = None
@@ -300,7 +312,11 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
             "tensors, children before parents).",
         )
     return MaterializePlan(
-        method="reset_parameters", modules=modules, visits=modules, unavailable=unavailable
+        method="reset_parameters",
+        modules=modules,
+        visits=to_init,
+        unavailable=unavailable,
+        loaded=kept,
     )
 
 

@@ -1,14 +1,44 @@
-"""init_state_dict: how checkpoints are written and read.
+"""init_state_dict: how checkpoints are written and read, and what this rank reads of the
+pretrained weights (``PrepConfig.weights``).
 
 Sharded (the default) writes each rank's shards through torch.distributed.checkpoint and can be
 read back at another world size. Full gathers on rank 0 only (to CPU) and, when loading, reads on
 rank 0 and broadcasts: the one way to get the same weights for every world size.
+
+Pretrained weights are matched against the model here, from the files' headers alone (read into
+``state.inputs.weights`` while planning): missing or unexpected keys, shapes and dtypes that do
+not fit fail the plan before anything happens to the model (see ``fprep.weights.plan``).
 """
 
 from __future__ import annotations
 
+from fprep.errors import ConfigError
 from fprep.state import PrepState, StateDictState, need
 from fprep.transitions._base import transition
+from fprep.weights.plan import plan_weights
+from fprep.weights.records import WeightsPlan
+
+
+def _weights(state: PrepState, sharded: bool) -> WeightsPlan | None:
+    cfg, snapshot = state.config, state.inputs.weights
+    if cfg.weights is None:
+        return None
+    if snapshot is None:
+        raise ConfigError(
+            "PrepConfig.weights is set, but the plan holds no snapshot of its files.",
+            subject="weights",
+            hint="Plan with fprep.plan / fprep.initial_state, which read the files' headers.",
+        )
+    pg = need(state.process_group, "init_process_group", "init_state_dict")
+    ignored = need(state.ignored, "init_ignored", "init_state_dict")
+    return plan_weights(
+        state.tree,
+        snapshot,
+        extra_keys=cfg.weights_extra_keys,
+        missing_keys=cfg.weights_missing_keys,
+        whole=ignored.params,
+        shard=(pg.shard_size, pg.shard_rank) if sharded else None,
+    )
 
 
 @transition
@@ -23,5 +53,6 @@ def init_state_dict(state: PrepState) -> PrepState:
             cpu_offload=full,
             full_on_rank0_only=full and distributed,
             broadcast_from_rank0=distributed and (full or cfg.sync_module_states),
+            weights=_weights(state, core.is_sharded),
         )
     )

@@ -1,0 +1,92 @@
+"""Plain data about pretrained weights: what the files hold (the snapshot) and what to read.
+
+``WeightsSnapshot`` is built once by ``fprep.weights.source.snapshot`` from the files' headers
+(I/O, in ``fprep.plan``); ``WeightsPlan`` is computed from it by the pure matching in
+``fprep.weights.plan`` and applied by the ``load_weights`` step. Both are frozen and hashable,
+like every other part of a plan, and hold no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+#: safetensors dtype code -> (torch dtype name, bytes per element). Anything else is refused.
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "C64": ("complex64", 8),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+}
+
+#: Bytes per element, by torch dtype name.
+ITEMSIZE: dict[str, int] = dict(SAFETENSORS_DTYPES.values())
+
+
+@dataclass(frozen=True)
+class WeightsTensor:
+    """One tensor of a weights file: its key, its file and where its bytes are in it."""
+
+    key: str
+    file: str  # path of the file holding it
+    dtype: str  # torch dtype name ("bfloat16")
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of its first byte in ``file``
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightsSnapshot:
+    """The headers of every file of a pretrained checkpoint (``PrepConfig.weights``).
+
+    ``files`` are ``(path, size in bytes)``: the load checks that they did not change since.
+    """
+
+    source: str
+    tensors: tuple[WeightsTensor, ...]
+    files: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """What this rank reads for one parameter or buffer: one contiguous byte range."""
+
+    name: str  # the model's name (a parameter's canonical FQN, or a buffer's FQN)
+    key: str  # its key in the file
+    kind: Literal["param", "buffer"]
+    file: str
+    dtype: str  # dtype in the file
+    target_dtype: str  # dtype of the parameter or buffer
+    offset: int  # absolute byte offset of this rank's first byte
+    nbytes: int  # this rank's bytes (its rows under fsdp / hsdp, the whole tensor otherwise)
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    """Every read of this rank, and which modules need no initialization because of them."""
+
+    source: str
+    reads: tuple[TensorRead, ...]
+    files: tuple[tuple[str, int], ...]
+    #: Modules all of whose parameters and buffers the file provides: not initialized at all.
+    loaded_modules: tuple[str, ...]
+    #: Keys of the file that the model does not have, allowed by ``weights_extra_keys``.
+    skipped_keys: tuple[str, ...] = ()
+    #: Parameters and buffers the file lacks, allowed by ``weights_missing_keys``.
+    missing_keys: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
