@@ -71,3 +71,28 @@ def test_message_matching_follows_the_convention() -> None:
     assert not matches(t, "PrepConfig.seed must be true or false; got 1.")  # drifted wording
     assert not matches(t, "PrepConfig.seed must be … got 1.")  # … only where a value goes
     assert not matches((None, " is not callable."), "anything at all …")
+
+
+# -- claims the docs make that a test can decide --------------------------------------------
+def test_prepared_loader_never_draws_from_the_global_rng() -> None:
+    """checkpoints.md and training.md: a plain DataLoader draws its seed from the global RNG at
+    every new iterator (so a resumed run needs fork_rng around it); a prepared one never does,
+    also when resumed mid-epoch, so no wrapper is needed for an exact resume."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import fprep
+
+    data = TensorDataset(torch.arange(32.0))
+    state, _ = fprep.prepare(torch.nn.Linear(1, 1), fprep.PrepConfig())
+    prepared = fprep.prepare_data_loader(state, DataLoader(data, batch_size=4, shuffle=True))
+
+    def draws(loader: object, *, resume: bool = False) -> bool:
+        before = torch.random.get_rng_state()
+        if resume:
+            loader.load_state_dict({"epoch": 1, "batches": 3})  # type: ignore[attr-defined]
+        next(iter(loader))  # type: ignore[call-overload]
+        return not torch.equal(before, torch.random.get_rng_state())
+
+    assert draws(DataLoader(data, batch_size=4, shuffle=True))
+    assert not draws(prepared) and not draws(prepared, resume=True)
