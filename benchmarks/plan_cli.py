@@ -58,11 +58,11 @@ def run(cmd: list[str]) -> tuple[float, str]:
     return time.perf_counter() - start, out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one timing run instead of three")
-    parser.add_argument("--rank", type=int, default=37)
-    args = parser.parse_args()
+    parser.add_argument("--rank", type=int, default=37, help="the rank to plan (default 37)")
+    args = parser.parse_args(argv)
     cli = [
         sys.executable,
         "-m",

@@ -1,6 +1,6 @@
 """How long ``fprep.plan`` takes on Llama-shaped models, against the time torch takes to build them.
 
-Run: ``python benchmarks/plan_speed.py [--rounds N]``.
+Run: ``python benchmarks/plan_speed.py [--quick] [--rounds N]``.
 
 1. Build Llama 3.1 405B on the meta device (torch only: module construction).
 2. ``fprep.plan`` of that model (snapshot included) with FSDP, one unit per ``LlamaBlock``,
@@ -64,9 +64,12 @@ def ms(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="measurements per figure")
+    parser.add_argument("--quick", action="store_true", help="one round (a smoke test)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="measurements per figure (default 15, quick 1)"
+    )
     args = parser.parse_args(argv)
-    rounds: int = args.rounds
+    rounds: int = args.rounds or (1 if args.quick else 15)
 
     print(f"fprep plan speed (torch {torch.__version__}, {rounds} interleaved rounds)")
     # Warm up imports, torch's lazily loaded meta kernels and caches once; not measured.

@@ -1,7 +1,7 @@
 """The ``fprep`` command line: ``fprep plan``, ``fprep env`` and ``fprep demo``.
 
 Errors are printed as one clear line (the ``PrepError`` message and hint) with exit status 2,
-never as a traceback.
+never as a traceback (fprep.cli_run).
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from returns.result import Failure
 
 from fprep import demo
-from fprep.config import PrepConfig
-from fprep.errors import ConfigError, PrepError
+from fprep.cli_run import run_command
+from fprep.config import Precision, PrepConfig, Sharding, Strategy
+from fprep.errors import ConfigError
 from fprep.memory import estimate_memory
 from fprep.planning import plan
 from fprep.policies import repeated_block_classes
@@ -92,7 +93,21 @@ def _plan_json(state: PrepState) -> dict[str, Any]:
     }
 
 
+def _check_nodes(args: argparse.Namespace) -> None:
+    """hsdp's shard groups are the nodes: without ``--nproc-per-node`` the plan would assume one
+    node of ``--world-size`` processes and quietly become a single shard group (plain fsdp)."""
+    if args.strategy == "hsdp" and args.nproc_per_node is None:
+        raise ConfigError(
+            "--strategy hsdp needs --nproc-per-node: hsdp shards within a node and replicates "
+            "across nodes, so the plan depends on how many processes each node runs.",
+            subject="nproc_per_node",
+            hint=f"Pass the processes per node, e.g. --world-size {args.world_size} "
+            "--nproc-per-node 8.",
+        )
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    _check_nodes(args)
     model = _build_on_meta(_load_builder(args.builder))
     wrap = tuple(args.wrap) if args.wrap else repeated_block_classes(ModuleTree.of(model))
     cfg = PrepConfig(
@@ -157,34 +172,79 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fprep", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = (
+    "Plan a model for distributed and mixed-precision training without running it (fprep plan), "
+    "show what this machine offers (fprep env), or train a small GPT end to end (fprep demo). "
+    "Errors are printed as one line, with exit status 2."
+)
 
-    p = sub.add_parser("plan", help="plan a model built on the meta device; print per-rank memory")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fprep", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,env,demo}")
+
+    p = sub.add_parser(
+        "plan",
+        help="plan a model built on the meta device; print per-rank memory",
+        description="Build MODULE:BUILDER's model on the meta device (no memory), plan it for "
+        "one rank of a job and print the plan and that rank's memory.",
+    )
     p.add_argument("builder", help="MODULE:BUILDER, a function returning an nn.Module")
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--nproc-per-node", type=int, default=None)
-    p.add_argument("--device-type", default="cuda")
-    p.add_argument("--strategy", default="fsdp")
-    p.add_argument("--sharding", default="full")
-    p.add_argument("--precision", default="bf16")
+    p.add_argument("--world-size", type=int, default=1, help="processes in the job (default 1)")
+    p.add_argument("--rank", type=int, default=0, help="the rank to plan for (default 0)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes per node (default: all --world-size processes on one node); "
+        "required with --strategy hsdp, whose shard groups are the nodes",
+    )
+    p.add_argument(
+        "--device-type",
+        default="cuda",
+        help="device type of the job: cpu, cuda, hpu, xpu or mps (default cuda)",
+    )
+    p.add_argument(
+        "--strategy",
+        default="fsdp",
+        help=f"one of {', '.join(get_args(Strategy))} (default fsdp)",
+    )
+    p.add_argument(
+        "--sharding",
+        default="full",
+        help=f"for fsdp and hsdp: one of {', '.join(get_args(Sharding))} (default full)",
+    )
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        help=f"one of {', '.join(get_args(Precision))} (default bf16)",
+    )
     p.add_argument(
         "--wrap",
         nargs="*",
         default=None,
         help="class names to wrap as units (default: the model's repeated blocks)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print strategy, units and memory bytes as JSON instead of the summary",
+    )
     p.set_defaults(func=_cmd_plan)
 
-    e = sub.add_parser("env", help="torch version, devices, backends, launcher variables")
-    e.add_argument("--json", action="store_true")
+    e = sub.add_parser(
+        "env",
+        help="torch version, devices, backends, launcher variables",
+        description="Print the torch version, devices, process-group backends, the launcher's "
+        "variables and the topology fprep reads from them.",
+    )
+    e.add_argument("--json", action="store_true", help="print it as JSON")
     e.set_defaults(func=_cmd_env)
 
     d = sub.add_parser(
-        "demo", help="prepare and train a small GPT on synthetic data (CPU; --nproc N ranks)"
+        "demo",
+        help="prepare and train a small GPT on synthetic data (CPU; --nproc N ranks)",
+        description=demo.DESCRIPTION,
     )
     demo.add_arguments(d)
     d.set_defaults(func=demo.run_from_args)
@@ -193,17 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        code: int = args.func(args)
-    except PrepError as e:
-        print(f"fprep: error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # e.g. `fprep plan ... | head`: the reader left; not an error
-        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
-    return code
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,7 @@ class PrepState:
     param_handles: ParamHandleState | None = None
     prefetching: PrefetchState | None = None
     applied: tuple[str, ...] = ()  # names of the prepare steps that ran, in order
+    skipped: tuple[str, ...] = ()  # of those, the ones with nothing to do for this plan
     #: Live handles (device, mesh, process group, grad scaler) set by the prepare steps; not
     #: data, so excluded from equality, hashing and repr (see fprep.apply.steps.Handles).
     handles: object = field(default=None, compare=False, repr=False)

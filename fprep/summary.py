@@ -78,5 +78,9 @@ def summarize(state: PrepState) -> str:
     ]
     lines.extend(f"  note        {n}" for n in notes)
     if state.applied:
-        lines.append(f"  applied     {' -> '.join(state.applied)}")
+        # What acted, in order; the steps that had nothing to do for this plan on a line apart.
+        acted = [name for name in state.applied if name not in state.skipped]
+        lines.append(f"  applied     {' -> '.join(acted) or '(nothing)'}")
+        if state.skipped:
+            lines.append(f"  no-op       {', '.join(state.skipped)} (nothing to do in this plan)")
     return "\n".join(lines)

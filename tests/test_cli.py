@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from fprep.cli import main
+from fprep.cli import build_parser, main
 
 BUILDER = textwrap.dedent(
     """
@@ -75,3 +77,43 @@ def test_env_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["env", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["torch"].startswith("2.13") and data["backends"]["gloo"] is True
+
+
+def test_hsdp_needs_nproc_per_node(builder_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --nproc-per-node, hsdp would quietly become one shard group of the whole world."""
+    argv = ["plan", "cli_models:build", "--world-size", "16", "--strategy", "hsdp"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fprep: error: --strategy hsdp needs --nproc-per-node")
+    assert main([*argv, "--nproc-per-node", "4"]) == 0
+    assert "replicate=4xshard=4" in capsys.readouterr().out
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [("fprep", parser), *((f"fprep {n}", p) for n, p in sub.choices.items())]
+
+
+@pytest.mark.parametrize(("name", "parser"), _parsers(), ids=[n for n, _ in _parsers()])
+def test_every_option_has_help_and_no_markup(name: str, parser: argparse.ArgumentParser) -> None:
+    undocumented = [
+        a.dest
+        for a in parser._actions
+        if not isinstance(a, argparse._SubParsersAction) and not (a.help or "").strip()
+    ]
+    assert not undocumented, f"{name}: options without help text: {undocumented}"
+    text = parser.format_help()
+    assert parser.description, f"{name} has no description"
+    assert not re.search(r"``|:class:|:func:|\*\*", text), f"{name} --help shows markup:\n{text}"
+
+
+def test_cli_and_demo_do_not_import_each_other() -> None:
+    """fprep.cli -> fprep.demo -> fprep.cli_run: no cycle (a fresh interpreter imports the demo
+    alone without pulling in the command line)."""
+    import subprocess
+    import sys
+
+    code = "import sys, fprep.demo; print('fprep.cli' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

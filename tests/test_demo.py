@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fprep.cli import main
-from fprep.demo import run_demo
+from fprep.demo import MIN_DROP, run_demo
 from fprep.testing.models import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +96,37 @@ def test_demo_nproc_2_through_the_cli_matches_one_process() -> None:
     single = run_demo(steps=int(steps), threads=1, out=io.StringIO())
     assert float(match.group(1)) == pytest.approx(single.first, abs=1e-3)
     assert float(match.group(2)) == pytest.approx(single.last, rel=1e-2)
+
+
+def test_demo_at_learning_rate_0_says_the_loss_did_not_fall(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Batch-to-batch noise is not learning: at lr 0 the weights never change, the loss only
+    wobbles, and the demo says so and exits 1."""
+    out = io.StringIO()
+    result = run_demo(steps=20, batch_size=4, lr=0.0, threads=1, model_config=SMALL, out=out)
+    assert not result.fell and abs(result.drop) < MIN_DROP
+    assert out.getvalue().strip().splitlines()[-1].startswith("loss did NOT fall (by less than 5%)")
+    assert main(["demo", "--lr", "0", "--steps", "4", "--batch-size", "4"]) == 1
+    assert "did NOT fall" in capsys.readouterr().out
+
+
+def test_demo_summary_separates_no_op_steps() -> None:
+    """One process, no sharding: shard, replicate and fast_ddp had nothing to do, and the
+    summary says so on their own line instead of listing them as applied."""
+    out = io.StringIO()
+    run_demo(steps=1, batch_size=2, threads=1, model_config=SMALL, out=out)
+    lines = out.getvalue().splitlines()
+    applied = next(line for line in lines if line.startswith("  applied "))
+    no_op = next(line for line in lines if line.startswith("  no-op "))
+    assert applied.split()[1:] == [
+        "connect",
+        "->",
+        "materialize",
+        "->",
+        "place",
+        "->",
+        "mark_prepared",
+    ]
+    for name in ("shard", "replicate", "fast_ddp", "precision", "sync_module_states"):
+        assert name in no_op and name not in applied

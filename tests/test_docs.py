@@ -1,11 +1,14 @@
-"""Every Python example in docs/ runs against the current code."""
+"""Every Python example in docs/ runs against the current code, and every error message the
+docs quote is printed by a raise site in fprep/."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 
 import pytest
+from _doc_messages import Quote, matches, message_templates, quoted_messages, render
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BLOCKS = [
@@ -24,3 +27,72 @@ def test_doc_example_runs(page: str, index: int, code: str) -> None:
     for name, value in list(namespace.items()):
         if name.startswith("test_") and callable(value):
             value()
+
+
+# -- error messages quoted in docs/ -----------------------------------------------------------
+QUOTES = [q for page in sorted(DOCS.glob("*.md")) for q in quoted_messages(page)]
+
+
+def test_docs_quote_error_messages() -> None:
+    # errors.md's tables quote messages; a column renamed away would silently check nothing.
+    assert sum(q.page == "errors.md" for q in QUOTES) > 150
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[f"{q.page}:{q.line}" for q in QUOTES])
+def test_quoted_error_message_has_a_raise_site(quote: Quote) -> None:
+    """Each message quoted in an "example message" column is what a raise site in fprep/ prints
+    (the convention is at the top of docs/errors.md)."""
+    sites = message_templates()
+    forms = [
+        t for s in sites for t in (s.templates if quote.with_hint else s.templates + s.messages)
+    ]
+    if any(matches(t, quote.text) for t in forms):
+        return
+    rendered = [render(t) for t in forms]
+    close = difflib.get_close_matches(quote.text, rendered, n=1, cutoff=0.0)
+    pytest.fail(
+        f"{quote.where}: no raise site in fprep/ prints the quoted message\n"
+        f"  `{quote.text}`\n"
+        f"  closest message in the source (… = a value): {close[0] if close else '(none)'}\n"
+        "  Copy the message from the code's output (str(error)), with … for values; see the "
+        "convention at the top of docs/errors.md.",
+        pytrace=False,
+    )
+
+
+def test_message_matching_follows_the_convention() -> None:
+    """The matcher itself: literal text must agree, … only where the code inserts a value (or
+    at the start or end), and a quote that leaves everything to wildcards matches nothing."""
+    t = ("PrepConfig.", None, " must be True or False; got ", None, ".")
+    assert matches(t, "PrepConfig.seed must be True or False; got 1.")
+    assert matches(t, "PrepConfig.… must be True or False; got ….")
+    assert matches(t, "PrepConfig.seed must be True or …")  # the rest left out
+    assert matches(t, "… must be True or False; got 1.")  # the start left out
+    assert not matches(t, "PrepConfig.seed must be true or false; got 1.")  # drifted wording
+    assert not matches(t, "PrepConfig.seed must be … got 1.")  # … only where a value goes
+    assert not matches((None, " is not callable."), "anything at all …")
+
+
+# -- claims the docs make that a test can decide --------------------------------------------
+def test_prepared_loader_never_draws_from_the_global_rng() -> None:
+    """checkpoints.md and training.md: a plain DataLoader draws its seed from the global RNG at
+    every new iterator (so a resumed run needs fork_rng around it); a prepared one never does,
+    also when resumed mid-epoch, so no wrapper is needed for an exact resume."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import fprep
+
+    data = TensorDataset(torch.arange(32.0))
+    state, _ = fprep.prepare(torch.nn.Linear(1, 1), fprep.PrepConfig())
+    prepared = fprep.prepare_data_loader(state, DataLoader(data, batch_size=4, shuffle=True))
+
+    def draws(loader: object, *, resume: bool = False) -> bool:
+        before = torch.random.get_rng_state()
+        if resume:
+            loader.load_state_dict({"epoch": 1, "batches": 3})  # type: ignore[attr-defined]
+        next(iter(loader))  # type: ignore[call-overload]
+        return not torch.equal(before, torch.random.get_rng_state())
+
+    assert draws(DataLoader(data, batch_size=4, shuffle=True))
+    assert not draws(prepared) and not draws(prepared, resume=True)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fprep.apply.steps import handles_of, step
+from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.state import PrepState, need
 
@@ -25,7 +25,7 @@ DEFER_SYNC_ATTR = "_fprep_defer_grad_sync"
 def fast_ddp(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "fast_ddp")
     if core.strategy != "fast_ddp":
-        return state, model
+        return skipped(state, model)
     group = handles_of(state).process_group
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fprep.apply.init_jobs import local_of
-from fprep.apply.steps import step
+from fprep.apply.steps import skipped, step
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.files import read_failure
 from fprep.errors import CheckpointError, PrepareError
@@ -182,7 +182,7 @@ def load(plan: WeightsPlan, model: nn.Module, *, show: bool) -> None:
 def load_weights(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     plan = need(state.state_dict, "init_state_dict", "load_weights").weights
     if plan is None:
-        return state, model
+        return skipped(state, model)
     error: Exception | None = None
     try:
         load(plan, model, show=state.topology.rank == 0)

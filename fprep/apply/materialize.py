@@ -59,7 +59,7 @@ from fprep.apply.init_exchange import (
 from fprep.apply.init_jobs import Init, Scratch, job_for, reach_of, run_everywhere
 from fprep.apply.init_rows import init_by_rows, init_in_full
 from fprep.apply.init_schedule import schedule, shares_work
-from fprep.apply.steps import handles_of, step
+from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.progress import Progress
 from fprep.state import PrepState, ShardSpec, need
@@ -218,7 +218,7 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         check_same_modules(plan.modules, mesh_groups, device)
     group = live.process_group if mesh_groups and world > 1 else None
     if plan.method == "none":
-        return state, model
+        return skipped(state, model)
     plan.check()
     storage = torch.device("cpu") if core.offload == "cpu" else device
     inits = _inits(state, model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fprep.apply.steps import handles_of, step
+from fprep.apply.steps import handles_of, skipped, step
 from fprep.state import PrepState, need
 
 
@@ -16,7 +16,7 @@ from fprep.state import PrepState, need
 def place(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "place")
     if core.is_sharded or not state.config.device_placement:
-        return state, model
+        return skipped(state, model)
     device = handles_of(state).device
     if any(p.device != device for p in model.parameters()) or any(
         b.device != device for b in model.buffers()

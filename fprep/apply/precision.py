@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fprep.apply.steps import ScalerUse, handles_of, step, with_handles
+from fprep.apply.steps import ScalerUse, handles_of, skipped, step, with_handles
 from fprep.errors import PrepareError
 from fprep.state import PrepState, need
 
@@ -107,6 +107,8 @@ def precision(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]
     core = need(state.core, "init_core", "precision")
     policy = core.precision
     device = handles_of(state).device
+    if not (policy.fp8 or policy.autocast_dtype or policy.grad_scaling):
+        return skipped(state, model)
     if policy.fp8:
         from fprep.devices import convert_fp8
 

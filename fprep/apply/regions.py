@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from fprep.apply.steps import handles_of, step
+from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.snapshot import is_within
 from fprep.state import PrepState, need
@@ -34,7 +34,7 @@ def regions(state: PrepState) -> tuple[str, ...]:
 @step("checkpoint")
 def checkpoint(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if not state.config.activation_checkpointing:
-        return state, model
+        return skipped(state, model)
     from torch.distributed._composable.checkpoint_activation import (
         checkpoint as composable_checkpoint,
     )
@@ -72,7 +72,7 @@ def _compile(module: nn.Module, fqn: str, kwargs: dict[str, Any]) -> None:
 @step("compile_regions")
 def compile_regions(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if state.config.compile != "regional":
-        return state, model
+        return skipped(state, model)
     kwargs = _compile_kwargs(state)
     for fqn in regions(state):
         _compile(model.get_submodule(fqn), fqn, kwargs)
@@ -82,6 +82,6 @@ def compile_regions(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.M
 @step("compile_whole")
 def compile_whole(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if state.config.compile != "whole":
-        return state, model
+        return skipped(state, model)
     _compile(model, "", _compile_kwargs(state))
     return state, model

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fprep.apply.steps import handles_of, step
+from fprep.apply.steps import handles_of, skipped, step
 from fprep.state import PrepState, need
 
 
@@ -61,10 +61,10 @@ def register_comm_hook(ddp: Any, hook: str, group: Any, rank: int, start_iter: i
 def replicate(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "replicate")
     if core.strategy != "ddp":
-        return state, model
+        return skipped(state, model)
     runtime = need(state.runtime, "init_runtime", "replicate")
     if not any(p.requires_grad for p in model.parameters()):
-        return state, model  # nothing to synchronize: DDP would refuse the model
+        return skipped(state, model)  # nothing to synchronize: DDP would refuse the model
     from torch.nn.parallel import DistributedDataParallel
 
     handles = handles_of(state)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fprep.apply.steps import handles_of, step, with_handles
+from fprep.apply.steps import handles_of, skipped, step, with_handles
 from fprep.state import PrepState, need
 
 
@@ -29,7 +29,7 @@ def _is_dtensor(p: torch.Tensor) -> bool:
 def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "shard")
     if not core.is_sharded:
-        return state, model
+        return skipped(state, model)
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,

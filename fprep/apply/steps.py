@@ -2,8 +2,9 @@
 
 A step is ``(PrepState, nn.Module) -> (PrepState, nn.Module)``. It reads its instructions from
 the (complete, validated) state, does one job with PyTorch's own engines, and returns the state
-with its name appended to ``state.applied``. ``pipeline(*steps)`` composes steps into one; users
-build their own by inserting, removing or replacing steps (see docs/pipeline.md).
+with its name appended to ``state.applied`` (and to ``state.skipped`` when it returned
+``skipped(state, model)``: nothing to do for this plan). ``pipeline(*steps)`` composes steps into
+one; users build their own by inserting, removing or replacing steps (see docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
@@ -23,6 +24,20 @@ if TYPE_CHECKING:
     import torch
 
 Step = Callable[[PrepState, nn.Module], tuple[PrepState, nn.Module]]
+
+
+class Skipped(NamedTuple):
+    """A step's result when the plan gives it nothing to do; see ``skipped``."""
+
+    state: PrepState
+    model: nn.Module
+
+
+def skipped(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+    """Return this from a step that has nothing to do for this plan (``shard`` for a model that
+    is not sharded): the step is recorded in ``state.skipped`` as well as ``state.applied``, so
+    the summary can tell what acted from what was a no-op. Still a ``(state, model)`` pair."""
+    return Skipped(state, model)
 
 
 @dataclass
@@ -81,8 +96,15 @@ def step(name: str) -> Callable[[Step], Step]:
                     subject=name,
                     hint="Run fprep.plan(...) (all ten transitions) before applying steps.",
                 )
-            new_state, new_model = fn(state, model)
-            return new_state.replace(applied=(*new_state.applied, name)), new_model
+            result = fn(state, model)
+            new_state, new_model = result
+            noop = (name,) if isinstance(result, Skipped) else ()
+            return (
+                new_state.replace(
+                    applied=(*new_state.applied, name), skipped=(*new_state.skipped, *noop)
+                ),
+                new_model,
+            )
 
         run.step_name = name  # type: ignore[attr-defined]
         return run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fprep.apply.steps import handles_of, step, with_handles
+from fprep.apply.steps import handles_of, skipped, step, with_handles
 from fprep.state import PrepState, need
 
 
@@ -18,7 +18,7 @@ from fprep.state import PrepState, need
 def sync_module_states(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "sync_module_states")
     if not (state.config.sync_module_states and core.is_sharded):
-        return state, model
+        return skipped(state, model)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full = handles_of(state).rank0_full_state if state.topology.rank == 0 else {}
