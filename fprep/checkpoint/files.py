@@ -228,9 +228,14 @@ def read_verified(path: Path, record: FileRecord, what: str) -> bytes:
             data = f.read(record.size + 1)
     except OSError as e:
         raise os_failure(e, f"read {what} at", path, subject=what) from None
+    check_bytes(data, record, what)
+    return data
+
+
+def check_bytes(data: bytes, record: FileRecord, what: str) -> None:
+    """``data`` (a whole file's contents) has the size and digest ``record`` records."""
     check_size_of(data, record, what)
     check_digest(digest_of(data, record.algorithm), record, what)
-    return data
 
 
 def check_size_of(data: bytes, record: FileRecord, what: str) -> None:

@@ -92,8 +92,13 @@ def _dummy(key: str) -> torch.Tensor:
     return torch.empty(0)
 
 
-def _read(step_dir: Path) -> tuple[Manifest, Metadata]:
-    manifest = parse(read_small(step_dir / layout.MANIFEST, layout.MANIFEST))
+def _read(target: layout.Target) -> tuple[Manifest, Metadata]:
+    step_dir = target.step_dir
+    manifest = parse(
+        read_small(step_dir / layout.MANIFEST, layout.MANIFEST),
+        pinned=target.pinned,
+        pointer=str(step_dir.parent / layout.LATEST),
+    )
     files = manifest.files
     raw = read_verified(
         step_dir / md_json.METADATA_FILE, files[md_json.METADATA_FILE], md_json.METADATA_FILE
@@ -136,7 +141,7 @@ def _nothing_saved(arg: str, saved: str, kept: str, strict: bool, source: str) -
 
 
 def _plan(
-    step_dir: Path,
+    target: layout.Target,
     state: PrepState,
     model: nn.Module,
     opts: tuple[torch.optim.Optimizer, ...],
@@ -146,7 +151,8 @@ def _plan(
     group: Group,
 ) -> _Plan:
     device = need(state.device, "init_device", "fprep.load")
-    manifest, metadata = _read(step_dir)
+    step_dir = target.step_dir
+    manifest, metadata = _read(target)
     saved = _saved_specs(metadata)
     notes: list[str] = []
     source = f"the checkpoint {step_dir}"
@@ -396,7 +402,7 @@ def load(
     device = need(state.device, "init_device", "fprep.load")
     error: BaseException | None = None
     opts: tuple[torch.optim.Optimizer, ...] = ()
-    name = None
+    found: tuple[str, str | None] | None = None
     try:
         for flag, value in (("strict", strict), ("verify_hashes", verify_hashes)):
             if not isinstance(value, bool):
@@ -405,16 +411,19 @@ def load(
         check_stateful(scheduler, "scheduler")
         check_stateful(loader, "loader")
         if group.rank == 0:
-            name = str(layout.resolve(path))
+            resolved = layout.resolve(path)
+            found = (str(resolved.step_dir), resolved.pinned)
     except Exception as e:
         error = read_failure(e, path)
-    step_dir = Path(group.agree(error, name)[0])
+    name, pinned = group.agree(error, found)[0]
+    target = layout.Target(Path(name), pinned)
+    step_dir = target.step_dir
 
     snapshots = [dict(opt.state) for opt in opts]
     plan: _Plan | None = None
     error = None
     try:
-        plan = _plan(step_dir, state, model, opts, scheduler, loader, strict, group)
+        plan = _plan(target, state, model, opts, scheduler, loader, strict, group)
     except Exception as e:
         error = read_failure(e, step_dir)
     try:

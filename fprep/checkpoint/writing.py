@@ -166,8 +166,8 @@ def save(
                 fprep_version=_fprep_version(),
                 torch_version=str(torch.__version__),
             )
-            write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
-            published = layout.publish(root, tmp, step)
+            sealed = write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
+            published = layout.publish(root, tmp, step, sealed.digest)
             if keep_last is not None:
                 layout.rotate(root, keep_last)
             layout.clean_stale(root)
