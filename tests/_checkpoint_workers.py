@@ -374,3 +374,35 @@ def three(root: str) -> dict[str, Any]:
         if name == "a":  # two shards arrive at rank 0 per tensor: both receive buffers in use
             fprep.export_full(Path(root) / "three.safetensors", state, model)
     return {k: v for k, v in out.items() if rank() == 0 or not isinstance(v, bytes)}
+
+
+# -- concurrent savers (tests/test_checkpoint_concurrency.py) -------------------------------------
+def wide_model(value: float) -> tuple[Any, nn.Module]:
+    """A prepared one-process model of 1 MiB whose every weight is ``value``."""
+    model = nn.Sequential(nn.Linear(512, 512, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(value)
+    return fprep.prepare(model, fprep.PrepConfig())
+
+
+def concurrent_saver(root: str, who: int, saves: int, keep_last: int | None) -> dict[str, Any]:
+    """Save ``saves`` checkpoints into ``root`` (which another process saves into at the same
+    time), retrying a save the root's lock refuses. Returns the published paths and refusals."""
+    import time
+
+    torch.set_num_threads(1)
+    state, model = wide_model(float(who))
+    published: list[str] = []
+    refused: list[str] = []
+    while len(published) < saves:
+        step = 1000 * who + len(published)
+        try:
+            path = fprep.save(root, state, model, step=step, keep_last=keep_last, extras=step)
+        except CheckpointError as e:
+            if "in progress" not in str(e):
+                raise
+            refused.append(str(e))
+            time.sleep(0.001)
+            continue
+        published.append(str(path))
+    return {"published": published, "refused": refused}

@@ -279,7 +279,7 @@ def test_latest_rotation_and_resolving(tmp_path: Path) -> None:
             model.odd.fill_(float(step))
         fprep.save(tmp_path, state, model, step=step, keep_last=3, extras=step)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["latest", "step-00000002.1", "step-00000003", "step-00000004"]
+    assert names == [".lock", "latest", "step-00000002.1", "step-00000003", "step-00000004"]
     digest = blake3.blake3((tmp_path / "step-00000004" / "manifest.json").read_bytes())
     assert (tmp_path / "latest").read_text() == f"step-00000004 blake3:{digest.hexdigest()}\n"
 
@@ -299,7 +299,7 @@ def test_latest_rotation_and_resolving(tmp_path: Path) -> None:
     with torch.no_grad():
         model.odd.fill_(0.0)
     fprep.save(tmp_path, state, model, step=0, keep_last=1, extras=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000000"]
 
 
 def test_no_checkpoint_and_dangling_pointer(tmp_path: Path) -> None:
@@ -409,7 +409,7 @@ def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
     state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
     fprep.save(root, state, model, step=999, keep_last=3)
     names = sorted(p.name for p in root.iterdir())
-    assert not [n for n in names if n.startswith(".")]  # stale temp dirs and files removed
+    assert not [n for n in names if n.startswith(".tmp-")]  # stale temp dirs and files removed
     assert len([n for n in names if n.startswith("step-")]) == 3
 
 

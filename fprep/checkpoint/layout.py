@@ -159,6 +159,26 @@ def resolve(path: str | os.PathLike[str]) -> Target:
     return Target(step_dir, pinned)
 
 
+def check_root(root: Path) -> None:
+    """Refuse to save into a published step directory or anywhere inside one (a checkpoint is
+    never modified once published, and its rotation would delete the nested one)."""
+    try:
+        here = root.resolve()
+    except OSError:
+        return  # the save fails later with the OS's reason
+    for directory in (here, *here.parents):
+        if parse_step_name(directory.name) is None or not os.path.lexists(directory / MANIFEST):
+            continue
+        where = "it is" if directory == here else f"it is inside {directory},"
+        raise CheckpointError(
+            f"cannot save into {root}: {where} a published checkpoint.",
+            subject=str(root),
+            hint="A checkpoint is never modified once published: pass the checkpoint root, the "
+            f"directory that holds the step-* directories ({directory.parent}), or another "
+            "directory.",
+        )
+
+
 def publish(root: Path, tmp: Path, step: int, manifest_digest: str) -> Path:
     """Rename a complete ``tmp`` to a free step name, then point ``latest`` at it (pinning the
     digest of its manifest). Call it holding the root's lock."""
@@ -218,7 +238,8 @@ def rotate(root: Path, keep_last: int) -> list[str]:
 
 
 def clean_stale(root: Path) -> list[str]:
-    """Remove ``.tmp-*`` leftovers of interrupted saves (call only after publishing)."""
+    """Remove ``.tmp-*`` leftovers of interrupted saves; call it holding the root's lock, which
+    proves that none of them is being written. Nothing but ``.tmp-*`` names is touched."""
     removed = []
     try:
         names = os.listdir(root)
