@@ -406,3 +406,60 @@ def concurrent_saver(root: str, who: int, saves: int, keep_last: int | None) -> 
             continue
         published.append(str(path))
     return {"published": published, "refused": refused}
+
+
+# -- transactional loads at 2 ranks (tests/test_checkpoint_distributed.py) -----------------------
+class RankPicky:
+    """A loader-like object whose ``load_state_dict`` fails on rank 1 only (after every check of
+    fprep's has passed): the ranks must still agree on the outcome."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if rank() == 1:
+            raise ValueError("rank 1 does not like this position")
+
+
+def two_transactional(root: str) -> dict[str, Any]:
+    """2 ranks, fsdp: records that do not fit (one rank's RNG state, a hyperparameter) are
+    refused on both ranks before anything changes; a failure on one rank while applying is
+    raised on both."""
+    torch.set_num_threads(1)
+    base = Path(root)
+    out: dict[str, Any] = {}
+    state, model, opt, sched, loader = prepared("fsdp")
+    Trainer(state, model, opt, sched, loader).run(1)
+    saved = fprep.save(base / "t", state, model, optimizers=(opt,), scheduler=sched, step=1)
+    saved_picky = fprep.save(base / "picky", state, model, loader=RankPicky(), step=1)
+
+    def craft(edit: Any) -> None:
+        if rank() == 0:
+            data = manifest_data(saved)
+            edit(data)
+            write_manifest_data(saved, data)
+        barrier()
+
+    def zero_rank_1_torch_state(m: Any) -> None:  # right size, content torch refuses
+        m["ranks"][1]["rng"]["torch"] = "00" * (len(m["ranks"][1]["rng"]["torch"]) // 2)
+
+    def string_lr(m: Any) -> None:
+        m["optimizers"][0]["state_dict"]["param_groups"][0]["lr"] = "abc"
+
+    for name, edit in (("rng", zero_rank_1_torch_state), ("lr", string_lr)):
+        craft(edit)
+        state, model, opt, sched, _ = prepared("fsdp", seed=9)
+        before, rng_before = local_state(model, opt), torch.get_rng_state()
+        out[f"error_{name}"] = expect_error(
+            lambda s=state, m=model, o=opt, c=sched: fprep.load(
+                saved, s, m, optimizers=(o,), scheduler=c
+            )
+        )
+        out[f"unchanged_{name}"] = same(before, local_state(model, opt)) and torch.equal(
+            rng_before, torch.get_rng_state()
+        )
+    state, model, *_ = prepared("fsdp", seed=9)
+    out["error_apply"] = expect_error(
+        lambda: fprep.load(saved_picky, state, model, loader=RankPicky())
+    )
+    return out

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from fprep.checkpoint import layout, rng, validate
+from fprep.checkpoint import layout, optim_fit, rng, validate
 from fprep.checkpoint import metadata as md_json
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import decode, encode, tensor_keys
@@ -67,6 +67,7 @@ class _OptimizerPlan:
     saved_groups: list[dict[str, Any]]  # tensors in them are placeholders
     load_groups: bool  # False: another optimizer class (strict=False), keep its hyperparameters
     live: Any = None  # the live encoded skeleton (not fresh)
+    fill: list[dict[str, Any]] = field(default_factory=list)  # per group: live values kept
     live_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -223,14 +224,14 @@ def _plan(
             load_groups=same_class,
         )
         if fresh:
-            live_groups = group_params(fresh_skeleton(model, opt))
+            osd = fresh_skeleton(model, opt)
         else:
             osd = get_optimizer_state_dict(model, opt)  # creates state if it has none (undone
             # by _restore on failure)
             plan.live = encode(osd, prefix, plan.live_tensors)
             live.update(plan.live_tensors)
-            live_groups = group_params(osd)
             saved_for_compare.update({k: v for k, v in saved.items() if k.startswith(prefix + "/")})
+        live_groups = group_params(osd)
         saved_groups = [list(g["params"]) for g in groups]
         if saved_groups != live_groups:
             message = (
@@ -244,6 +245,7 @@ def _plan(
                     hint="Build the optimizer over the same parameters, in the same groups.",
                 )
             notes.append(message + "; hyperparameters were loaded by group position.")
+        _check_fit(plan, structure, osd, source, notes)
         plans.append(plan)
 
     diff = validate.compare({k: _spec(v) for k, v in live.items()}, saved_for_compare)
@@ -323,6 +325,24 @@ def _plan(
     )
 
 
+def _check_fit(
+    plan: _OptimizerPlan, structure: Any, live: dict[str, Any], source: str, notes: list[str]
+) -> None:
+    """The saved record against the live optimizer (``optim_fit``), for what will be applied:
+    its hyperparameters (when they are loaded) and its state (when the saved one is used)."""
+    if plan.load_groups:
+        optim_fit.check_groups(plan.saved_groups, live["param_groups"], plan.index, source)
+        plan.fill = optim_fit.missing_hyperparameters(plan.saved_groups, live["param_groups"])
+        for g, fill in enumerate(plan.fill):
+            if fill:
+                notes.append(
+                    f"optimizer {plan.index} param group {g}: the checkpoint has no "
+                    f"{', '.join(map(repr, sorted(fill)))}; the live value was kept."
+                )
+    if not plan.fresh and set(tensor_keys(plan.saved)) == set(plan.live_tensors):
+        optim_fit.check_state(structure["state"], live["state"], plan.index, source)
+
+
 def _groups_text(groups: list[list[str]]) -> str:
     return "[" + "; ".join(", ".join(g[:4]) + (", …" if len(g) > 4 else "") for g in groups) + "]"
 
@@ -363,11 +383,30 @@ def _apply(plan: _Plan, model: nn.Module, strict: bool) -> None:
             osd = decode(op.saved, what, targets.__getitem__)
             if not op.load_groups:
                 osd["param_groups"] = live["param_groups"]
+            for group, fill in zip(osd["param_groups"], op.fill, strict=False):
+                group.update(fill)
         else:  # strict=False with differing keys: the live structure, saved values where present
             osd = live
             if op.load_groups:
                 _update_groups(osd["param_groups"], op.saved_groups)
         set_optimizer_state_dict(model, opt, osd)
+
+
+def _apply_failed(step_dir: Path, error: Exception) -> CheckpointError:
+    """A failure after every check passed (a scheduler's or loader's own ``load_state_dict``,
+    an I/O error, a bug): the live objects may be partly loaded, and every rank says so."""
+    if isinstance(error, CheckpointError):
+        return error
+    wrapped = CheckpointError(
+        f"loading {step_dir} failed after every check had passed, while applying it: "
+        f"{type(error).__name__}: {error}",
+        subject=str(step_dir),
+        hint="The model, optimizers, scheduler or loader may be partly loaded: load again or "
+        "rebuild them. A scheduler's or loader's load_state_dict gets the saved data as it is; "
+        "anything else is a bug in fprep's checks, please report it.",
+    )
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _update_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
@@ -456,16 +495,21 @@ def load(
             raise unwrap_dcp_error(e) from None
         finally:
             reader.close()  # files still open if DCP failed before reading
-    _apply(plan, model, strict)
-    if scheduler is not None and plan.scheduler_state is not None:
-        scheduler.load_state_dict(plan.scheduler_state)
-    scaler = getattr(state.handles, "grad_scaler", None)
-    if scaler is not None and plan.scaler_state is not None:
-        scaler.load_state_dict(plan.scaler_state)
-    if loader is not None and plan.loader_state is not None:
-        loader.load_state_dict(plan.loader_state)
-    if plan.rng_state is not None:
-        rng.restore(plan.rng_state, device.device_type)
+    error = None
+    try:
+        _apply(plan, model, strict)
+        if scheduler is not None and plan.scheduler_state is not None:
+            scheduler.load_state_dict(plan.scheduler_state)
+        scaler = getattr(state.handles, "grad_scaler", None)
+        if scaler is not None and plan.scaler_state is not None:
+            scaler.load_state_dict(plan.scaler_state)
+        if loader is not None and plan.loader_state is not None:
+            loader.load_state_dict(plan.loader_state)
+        if plan.rng_state is not None:
+            rng.restore(plan.rng_state, device.device_type)
+    except Exception as e:
+        error = _apply_failed(step_dir, e)
+    group.agree(error)  # every rank returns, or every rank raises
     return LoadedInfo(
         step=plan.manifest.step,
         extras=plan.extras,
