@@ -973,23 +973,22 @@ def test_load_os_errors_name_the_file_and_what_to_do(
     directory = saved["dir"]
     state, model, opt, *_ = W.prepared("none", seed=1)
     before = snapshot(model, opt)
-    real_open = open
+    real_os_open = os.open
 
-    def open_denied(path: Any, *args: Any, **kwargs: Any) -> Any:
+    def open_denied(path: Any, *args: Any, **kwargs: Any) -> int:
         if str(path).endswith("metadata.json"):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_open(path, *args, **kwargs)
+        return real_os_open(path, *args, **kwargs)
 
     with monkeypatch.context() as m:
         if os.geteuid() == 0:  # root reads anything: inject what a locked file gives
-            m.setattr(files, "open", open_denied, raising=False)
+            m.setattr(os, "open", open_denied)
         else:
             (directory / "metadata.json").chmod(0)
         with pytest.raises(CheckpointError, match=r"cannot read metadata\.json at .*Permission"):
             fprep.load(directory, state, model, optimizers=(opt,))
     (directory / "metadata.json").chmod(0o600)
     # a data file that cannot be opened (a stale handle on a network file system)
-    real_os_open = os.open
 
     def stale(path: Any, *args: Any, **kwargs: Any) -> int:
         if str(path).endswith(".distcp"):
