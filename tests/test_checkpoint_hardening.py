@@ -11,6 +11,7 @@ they are opened, pointers that lead outside the root.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -19,6 +20,9 @@ from typing import Any
 
 import _checkpoint_workers as W
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fprep
 from fprep.checkpoint import files
@@ -113,3 +117,67 @@ def test_latest_naming_a_symlinked_step_directory_is_refused(tmp_path: Path) -> 
     with pytest.raises(CheckpointError, match=r"names step-00000009, which is a symbolic link"):
         fprep.load(root, state, model)
     assert fprep.load(outside, state, model).step == 9  # named directly, it is the user's call
+
+
+# -- the O(n log n) chunk check agrees with counting every element ---------------------------------
+def covered_once(size: tuple[int, ...], boxes: list[Any]) -> bool:
+    """The reference: every element of the tensor lies in exactly one box."""
+    count = torch.zeros(size, dtype=torch.int32)
+    for off, sz in boxes:
+        count[tuple(slice(o, o + s) for o, s in zip(off, sz, strict=True))] += 1
+    return bool((count == 1).all())
+
+
+@st.composite
+def grid_tilings(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Any]]:
+    """A tensor shape and a tiling of it as DCP makes them: cut along one dimension into slabs,
+    each slab cut again along another dimension (possibly differently), and so on."""
+    ndim = draw(st.integers(1, 3))
+    size = tuple(draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim)))
+
+    def cut(lo: tuple[int, ...], hi: tuple[int, ...], dims: list[int]) -> list[Any]:
+        if not dims or draw(st.booleans()):
+            return [(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))]
+        d, rest = dims[0], dims[1:]
+        points: list[int] = []
+        if hi[d] - lo[d] >= 2:
+            points = sorted(set(draw(st.lists(st.integers(lo[d] + 1, hi[d] - 1), max_size=3))))
+        out = []
+        for a, b in itertools.pairwise([lo[d], *points, hi[d]]):
+            out += cut((*lo[:d], a, *lo[d + 1 :]), (*hi[:d], b, *hi[d + 1 :]), rest)
+        return out
+
+    order = draw(st.permutations(list(range(ndim))))
+    return size, cut((0,) * ndim, size, list(order))
+
+
+def accepted(size: tuple[int, ...], boxes: list[Any]) -> bool:
+    try:
+        md_json._check_tiling("w", size, boxes)
+    except CheckpointError:
+        return False
+    return True
+
+
+@given(tiling=grid_tilings(), data=st.data())
+@settings(max_examples=200)
+def test_the_chunk_check_agrees_with_counting_elements(
+    tiling: tuple[tuple[int, ...], list[Any]], data: st.DataObject
+) -> None:
+    size, boxes = tiling
+    assert covered_once(size, boxes) and accepted(size, boxes)
+    # damage it: drop a box, repeat one, move one
+    boxes = list(boxes)
+    kind = data.draw(st.sampled_from(["drop", "repeat", "move"]))
+    i = data.draw(st.integers(0, len(boxes) - 1))
+    if kind == "drop":
+        boxes.pop(i)
+    elif kind == "repeat":
+        boxes.append(boxes[i])
+    else:
+        off, sz = boxes[i]
+        d = data.draw(st.integers(0, len(size) - 1))
+        shift = data.draw(st.integers(-off[d], size[d] - off[d] - sz[d]))
+        boxes[i] = ((*off[:d], off[d] + shift, *off[d + 1 :]), sz)
+    # every damage breaks the tiling, except a move by 0: accepted exactly when it still tiles
+    assert accepted(size, boxes) == covered_once(size, boxes)
