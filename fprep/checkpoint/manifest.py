@@ -183,7 +183,8 @@ def parse(data: bytes, *, pinned: str | None = None, pointer: str = "latest") ->
         raise _fail(f"its format is not {FORMAT!r}")
     version = obj.get("version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
-        readable = " or ".join(map(str, READABLE_VERSIONS))
+        *first, last = map(str, READABLE_VERSIONS)
+        readable = f"{', '.join(first)} or {last}"
         raise _fail(f"version {version!r} is not {readable} (written by a newer fprep?)")
     if not sealed and version not in UNSEALED_VERSIONS:
         raise _fail(f"a version {version} manifest must be sealed, this one is not (damaged?)")

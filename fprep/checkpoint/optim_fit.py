@@ -90,7 +90,8 @@ def check_groups(
                 f"{len(lv['params'])} in the live optimizer",
                 subject,
             )
-        _check_values(s, lv, set(s) & set(lv) - {"params"}, f"param group {g}", index, source)
+        keys = set(s) & set(lv) - {"params"}
+        _check_values(s, lv, keys, f"param group {g}", subject, index, source)
 
 
 def missing_hyperparameters(
@@ -108,13 +109,9 @@ def check_state(saved: Any, live: Any, index: int, source: str) -> None:
         raise _unfit(source, index, "state is not a mapping of parameters to entries", subject)
     if set(saved) != set(live):
         extra, lacking = sorted(set(saved) - set(live)), sorted(set(live) - set(saved))
-        raise _unfit(
-            source,
-            index,
-            f"state has entries for {extra} that the live optimizer has none for, and none "
-            f"for {lacking}",
-            subject,
-        )
+        parts = [f"has entries for {extra}, which the live optimizer has none for"] if extra else []
+        parts += [f"has none for {lacking}, which the live optimizer has"] if lacking else []
+        raise _unfit(source, index, "state " + " and ".join(parts), subject)
     for fqn in sorted(saved):
         s, lv = saved[fqn], live[fqn]
         if set(s) != set(lv):
@@ -125,7 +122,7 @@ def check_state(saved: Any, live: Any, index: int, source: str) -> None:
                 "live optimizer",
                 f"{subject}.{fqn}",
             )
-        _check_values(s, lv, set(s), f"state of {fqn!r},", index, source)
+        _check_values(s, lv, set(s), f"state of {fqn!r},", f"{subject}.{fqn}", index, source)
 
 
 def _check_values(
@@ -133,6 +130,7 @@ def _check_values(
     live: Mapping[str, Any],
     keys: set[str],
     where: str,
+    subject: str,
     index: int,
     source: str,
 ) -> None:
@@ -143,5 +141,5 @@ def _check_values(
                 index,
                 f"{where} {key!r} is {_show(saved[key])} in the checkpoint, where the live "
                 f"optimizer has {_show(live[key])}",
-                f"optimizers[{index}]: {where} {key!r}",
+                f"{subject}.{key}",
             )
