@@ -168,3 +168,23 @@ def test_a_flipped_bit_anywhere_is_refused_by_load(
         fprep.load(root, state, model, optimizers=(opt,), scheduler=sched, loader=loader)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert len(opt.state) == 0
+
+
+# -- older versions --------------------------------------------------------------------------------
+def test_unsealed_version_2_manifests_and_name_only_pointers_still_load(
+    ckpt: dict[str, Any], tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(ckpt["root"], root)
+    step_dir = root / "step-00000003"
+    body, sealed = manifest.unseal(ckpt["manifest"])
+    assert sealed
+    (step_dir / "manifest.json").write_bytes(body.replace(b'"version":3', b'"version":2'))
+    (root / "latest").write_bytes(b"step-00000003\n")  # what fprep wrote before
+    state, model, opt, sched, loader = W.prepared("none", seed=1)
+    info = fprep.load(root, state, model, optimizers=(opt,), scheduler=sched, loader=loader)
+    assert info.step == 3 and info.extras == {"lr": 0.5, "tag": "x"}
+    # a version 3 manifest without its seal is not taken for an old one
+    (step_dir / "manifest.json").write_bytes(body)
+    with pytest.raises(CheckpointError, match="a version 3 manifest must be sealed"):
+        fprep.load(root, state, model)

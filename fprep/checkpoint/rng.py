@@ -173,7 +173,7 @@ def _check_device(text: Any, device_type: str, module: Any) -> None:
     made, else by its size."""
     try:
         scratch = torch.Generator(device=device_type)
-    except RuntimeError:
+    except Exception:  # a device without generator objects (a plugin): its size, at least
         _byte_tensor(text, "the device state", module.get_rng_state())
         return
     _torch_state(text, "the device state", scratch)
