@@ -4,11 +4,12 @@
 
     root/
       latest                    "step-00000120 blake3:<digest of its manifest.json>\\n"
+      .lock                     the root's lock (``lock.py``)
       step-00000100/            one complete checkpoint (never modified once published)
       step-00000120/
       step-00000120.1/          a second save at step 120 (saving never overwrites)
       .tmp-00000130-<uuid>/     a save in progress, or one that was killed: ignored, and
-                                removed by the next save
+                                removed when the next save starts
 
 A save writes everything into a fresh ``.tmp-*`` directory, fsyncs it, and publishes it with
 one ``rename`` to its step name (atomic on POSIX file systems), then replaces ``latest``

@@ -3,15 +3,20 @@
 Phases (every rank, collectives in the same order), each ending in agreement so that a failure
 on one rank is raised on all:
 
-1. rank 0 resolves the step directory (``latest``, or the newest ``step-*``);
-2. every rank parses ``manifest.json`` (strict JSON), checks ``metadata.json`` against the size
-   and digest the manifest records, parses it, and compares keys, shapes and dtypes with the
-   live model and optimizers; non-tensor state (scheduler, loader, RNG, extras) is decoded and
-   validated too. Nothing has been changed yet (see ``_restore`` for the one exception);
+1. rank 0 resolves the step directory (``latest`` with the manifest digest it pins, or the
+   newest ``step-*``);
+2. every rank checks ``manifest.json``'s seal (and the pinned digest) and parses it (strict
+   JSON), checks ``metadata.json`` against the size and digest the manifest records, parses it,
+   and compares keys, shapes and dtypes with the live model and optimizers; each optimizer
+   record is checked against the live optimizer (``optim_fit``: groups, hyperparameter kinds,
+   state entries), the RNG states in full (``rng.check``: ``rng.restore`` cannot fail on what
+   passes), the scheduler / loader / extras data is decoded. Nothing has been changed yet (see
+   ``_restore`` for the one exception); all ranks agree that every check passed on every rank;
 3. DCP plans which chunks each rank reads; ``SafeReader`` opens and checks every file this rank
    needs (size, digest), all ranks agree that every check passed, and only then copies the
    chunks into the live tensors (this rank's shards, in place: no second copy of the state);
-4. then the model, optimizers, scheduler, loader and RNG states are set from them.
+4. then the model, optimizers, scheduler, loader and RNG states are set from them, and the
+   ranks agree once more: every rank returns, or every rank raises.
 
 An ``OSError`` on the way (permissions, a file that cannot be opened, an I/O error) becomes a
 ``CheckpointError`` naming the file and what to do, on every rank.
