@@ -191,6 +191,36 @@ def expect_error(fn: Any) -> str:
     return "no error"
 
 
+def manifest_data(directory: Path) -> Any:
+    """The JSON data of a step directory's manifest (inside its seal, for a sealed one)."""
+    import json
+
+    data = json.loads((directory / "manifest.json").read_bytes())
+    return data["manifest"] if "blake3" in data else data
+
+
+def write_manifest_bytes(directory: Path, body: bytes) -> None:
+    """What a forger who knows the format writes: ``body`` as the manifest, sealed when it is
+    of the sealed version, and ``latest`` pointing at it again when it named this directory."""
+    from fprep.checkpoint import layout, manifest
+    from fprep.checkpoint.files import digest_of
+
+    sealed = b'"version":1' not in body and b'"version":2' not in body
+    data = manifest.seal(body) if sealed else body
+    (directory / "manifest.json").write_bytes(data)
+    pointer = layout.read_latest(directory.parent) if directory.parent.is_dir() else None
+    if pointer is not None and pointer[0] == directory.name:
+        layout.write_latest(directory.parent, directory.name, digest_of(data))
+
+
+def write_manifest_data(directory: Path, data: Any) -> None:
+    """``data`` as the manifest (see ``write_manifest_bytes``)."""
+    import json
+
+    body = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    write_manifest_bytes(directory, body)
+
+
 def barrier() -> None:
     import torch.distributed as dist
 
@@ -344,3 +374,92 @@ def three(root: str) -> dict[str, Any]:
         if name == "a":  # two shards arrive at rank 0 per tensor: both receive buffers in use
             fprep.export_full(Path(root) / "three.safetensors", state, model)
     return {k: v for k, v in out.items() if rank() == 0 or not isinstance(v, bytes)}
+
+
+# -- concurrent savers (tests/test_checkpoint_concurrency.py) -------------------------------------
+def wide_model(value: float) -> tuple[Any, nn.Module]:
+    """A prepared one-process model of 1 MiB whose every weight is ``value``."""
+    model = nn.Sequential(nn.Linear(512, 512, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(value)
+    return fprep.prepare(model, fprep.PrepConfig())
+
+
+def concurrent_saver(root: str, who: int, saves: int, keep_last: int | None) -> dict[str, Any]:
+    """Save ``saves`` checkpoints into ``root`` (which another process saves into at the same
+    time), retrying a save the root's lock refuses. Returns the published paths and refusals."""
+    import time
+
+    torch.set_num_threads(1)
+    state, model = wide_model(float(who))
+    published: list[str] = []
+    refused: list[str] = []
+    while len(published) < saves:
+        step = 1000 * who + len(published)
+        try:
+            path = fprep.save(root, state, model, step=step, keep_last=keep_last, extras=step)
+        except CheckpointError as e:
+            if "in progress" not in str(e):
+                raise
+            refused.append(str(e))
+            time.sleep(0.001)
+            continue
+        published.append(str(path))
+    return {"published": published, "refused": refused}
+
+
+# -- transactional loads at 2 ranks (tests/test_checkpoint_distributed.py) -----------------------
+class RankPicky:
+    """A loader-like object whose ``load_state_dict`` fails on rank 1 only (after every check of
+    fprep's has passed): the ranks must still agree on the outcome."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if rank() == 1:
+            raise ValueError("rank 1 does not like this position")
+
+
+def two_transactional(root: str) -> dict[str, Any]:
+    """2 ranks, fsdp: records that do not fit (one rank's RNG state, a hyperparameter) are
+    refused on both ranks before anything changes; a failure on one rank while applying is
+    raised on both."""
+    torch.set_num_threads(1)
+    base = Path(root)
+    out: dict[str, Any] = {}
+    state, model, opt, sched, loader = prepared("fsdp")
+    Trainer(state, model, opt, sched, loader).run(1)
+    saved = fprep.save(base / "t", state, model, optimizers=(opt,), scheduler=sched, step=1)
+    saved_picky = fprep.save(base / "picky", state, model, loader=RankPicky(), step=1)
+
+    def craft(edit: Any) -> None:
+        if rank() == 0:
+            data = manifest_data(saved)
+            edit(data)
+            write_manifest_data(saved, data)
+        barrier()
+
+    def zero_rank_1_torch_state(m: Any) -> None:  # right size, content torch refuses
+        m["ranks"][1]["rng"]["torch"] = "00" * (len(m["ranks"][1]["rng"]["torch"]) // 2)
+
+    def string_lr(m: Any) -> None:
+        m["optimizers"][0]["state_dict"]["param_groups"][0]["lr"] = "abc"
+
+    for name, edit in (("rng", zero_rank_1_torch_state), ("lr", string_lr)):
+        craft(edit)
+        state, model, opt, sched, _ = prepared("fsdp", seed=9)
+        before, rng_before = local_state(model, opt), torch.get_rng_state()
+        out[f"error_{name}"] = expect_error(
+            lambda s=state, m=model, o=opt, c=sched: fprep.load(
+                saved, s, m, optimizers=(o,), scheduler=c
+            )
+        )
+        out[f"unchanged_{name}"] = same(before, local_state(model, opt)) and torch.equal(
+            rng_before, torch.get_rng_state()
+        )
+    state, model, *_ = prepared("fsdp", seed=9)
+    out["error_apply"] = expect_error(
+        lambda: fprep.load(saved_picky, state, model, loader=RankPicky())
+    )
+    return out

@@ -90,7 +90,7 @@ def test_layout_on_disk(runs: dict[str, Any]) -> None:
     # a "full" plan gathers on rank 0, which writes every tensor
     assert first["files_a_full"] == ["__0_0.distcp", "manifest.json", "metadata.json"]
     root: Path = runs["root"]
-    assert (root / "a" / "latest").read_text() == f"step-{W.N_STEPS:08d}\n"
+    assert (root / "a" / "latest").read_text().startswith(f"step-{W.N_STEPS:08d} blake3:")
     assert not list((root / "a").glob(".tmp-*"))
 
 
@@ -187,3 +187,20 @@ def test_progress_lines_are_drawn_on_rank_0_only(runs: dict[str, Any]) -> None:
     ]
     assert all("[" + "#" * 24 + "]" in line for line in lines), lines
     assert "fprep: " not in one
+
+
+def test_load_is_transactional_and_agreed_at_two_ranks(tmp_path: Path) -> None:
+    """A record only rank 1 cannot take (its RNG state) and one both cannot (a hyperparameter)
+    are refused on both ranks before anything changes; a failure on rank 1 alone while applying
+    (after every check passed) is raised on both (before: rank 0 returned success)."""
+    results = run_ranks(W.two_transactional, 2, str(tmp_path), timeout_s=TIMEOUT_S)
+    for r in results:
+        assert r["error_rng"].startswith(
+            "CheckpointError: the saved RNG state is not valid: the "
+            "torch CPU state is refused by torch"
+        ), r["error_rng"]
+        assert r["error_lr"].startswith("CheckpointError: the checkpoint"), r["error_lr"]
+        assert "param group 0 'lr' is 'abc'" in r["error_lr"]
+        assert r["unchanged_rng"] is True and r["unchanged_lr"] is True
+        assert r["error_apply"].startswith("CheckpointError: loading "), r["error_apply"]
+        assert "ValueError: rank 1 does not like this position" in r["error_apply"]

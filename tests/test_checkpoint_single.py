@@ -79,15 +79,15 @@ def same_snapshot(a: Any, b: Any) -> bool:
 
 
 def step_dir(root: Path) -> Path:
-    return layout.resolve(root)
+    return layout.resolve(root).step_dir
 
 
 def rewrite_manifest(directory: Path, change: Any) -> None:
-    """An attacker's edit: change the manifest (e.g. hashes) so that it stays consistent."""
-    path = directory / "manifest.json"
-    data = json.loads(path.read_text())
+    """An attacker's edit: change the manifest (e.g. hashes) so that it stays consistent (its
+    seal and `latest` too)."""
+    data = W.manifest_data(directory)
     change(data)
-    path.write_text(json.dumps(data))
+    W.write_manifest_data(directory, data)
 
 
 def rehash(directory: Path, name: str) -> None:
@@ -279,8 +279,9 @@ def test_latest_rotation_and_resolving(tmp_path: Path) -> None:
             model.odd.fill_(float(step))
         fprep.save(tmp_path, state, model, step=step, keep_last=3, extras=step)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["latest", "step-00000002.1", "step-00000003", "step-00000004"]
-    assert (tmp_path / "latest").read_text() == "step-00000004\n"
+    assert names == [".lock", "latest", "step-00000002.1", "step-00000003", "step-00000004"]
+    digest = blake3.blake3((tmp_path / "step-00000004" / "manifest.json").read_bytes())
+    assert (tmp_path / "latest").read_text() == f"step-00000004 blake3:{digest.hexdigest()}\n"
 
     def loaded(path: Path) -> int:
         s, m, *_ = W.prepared("none", seed=1)
@@ -290,13 +291,15 @@ def test_latest_rotation_and_resolving(tmp_path: Path) -> None:
 
     assert loaded(tmp_path) == 4
     assert loaded(tmp_path / "step-00000002.1") == 2
+    (tmp_path / "latest").write_text("step-00000002.1\n")  # an older fprep's pointer: a name
+    assert loaded(tmp_path) == 2
     (tmp_path / "latest").unlink()  # no pointer: the newest step directory
     assert loaded(tmp_path) == 4
     # rotation never removes the checkpoint `latest` names, even when it is not the newest
     with torch.no_grad():
         model.odd.fill_(0.0)
     fprep.save(tmp_path, state, model, step=0, keep_last=1, extras=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-00000000"]
 
 
 def test_no_checkpoint_and_dangling_pointer(tmp_path: Path) -> None:
@@ -406,7 +409,7 @@ def test_killed_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
     state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
     fprep.save(root, state, model, step=999, keep_last=3)
     names = sorted(p.name for p in root.iterdir())
-    assert not [n for n in names if n.startswith(".")]  # stale temp dirs and files removed
+    assert not [n for n in names if n.startswith(".tmp-")]  # stale temp dirs and files removed
     assert len([n for n in names if n.startswith("step-")]) == 3
 
 
@@ -584,13 +587,12 @@ def test_crafted_manifest_is_refused(saved: dict[str, Any], edit: Any, message: 
 
 
 def test_duplicate_json_keys_and_nan_are_refused(saved: dict[str, Any]) -> None:
-    path = saved["dir"] / "manifest.json"
-    text = path.read_text()
-    path.write_text(text[:-1] + ',"step": 5}')
+    body = manifest.unseal((saved["dir"] / "manifest.json").read_bytes())[0]
+    W.write_manifest_bytes(saved["dir"], body[:-1] + b',"step": 5}')
     state, model, *_ = W.prepared("none", seed=1)
     with pytest.raises(CheckpointError, match="duplicate key 'step'"):
         fprep.load(saved["dir"], state, model)
-    path.write_text(text.replace('"step":3', '"step":NaN'))
+    W.write_manifest_bytes(saved["dir"], body.replace(b'"step":3', b'"step":NaN'))
     with pytest.raises(CheckpointError, match="non-standard JSON constant NaN"):
         fprep.load(saved["dir"], state, model)
 
@@ -739,7 +741,7 @@ def test_fp16_grad_scaler_state_is_saved_and_restored(tmp_path: Path) -> None:
     scaler._growth_tracker.fill_(7)
     saved_scaler = scaler.state_dict()
     fprep.save(tmp_path, state, model)
-    assert json.loads((step_dir(tmp_path) / "manifest.json").read_text())["grad_scaler"]
+    assert W.manifest_data(step_dir(tmp_path))["grad_scaler"]
 
     fresh_state, fresh_model, *_ = W.prepared("none", precision="fp16")
     assert fresh_state.handles.grad_scaler.state_dict() != saved_scaler
@@ -755,7 +757,7 @@ def test_fp16_grad_scaler_state_is_saved_and_restored(tmp_path: Path) -> None:
 def test_a_checkpoint_without_scaler_state_gives_fp16_a_fresh_scale(tmp_path: Path) -> None:
     state, model, *_ = trained()
     fprep.save(tmp_path, state, model)
-    assert json.loads((step_dir(tmp_path) / "manifest.json").read_text())["grad_scaler"] is None
+    assert W.manifest_data(step_dir(tmp_path))["grad_scaler"] is None
     fp16_state, fp16_model, *_ = W.prepared("none", precision="fp16")
     before = fp16_state.handles.grad_scaler.state_dict()
     info = fprep.load(tmp_path, fp16_state, fp16_model)
@@ -795,8 +797,8 @@ def test_export_full_is_plain_safetensors(tmp_path: Path) -> None:
 
 # -- digests -------------------------------------------------------------------------------------
 def test_new_checkpoints_record_blake3_digests_of_every_file(saved: dict[str, Any]) -> None:
-    m = json.loads((saved["dir"] / "manifest.json").read_text())
-    assert m["version"] == manifest.VERSION == 2
+    m = W.manifest_data(saved["dir"])
+    assert m["version"] == manifest.VERSION == 3
     assert sorted(m["files"]) == ["__0_0.distcp", "metadata.json"]
     for name, record in m["files"].items():
         data = (saved["dir"] / name).read_bytes()
@@ -971,23 +973,22 @@ def test_load_os_errors_name_the_file_and_what_to_do(
     directory = saved["dir"]
     state, model, opt, *_ = W.prepared("none", seed=1)
     before = snapshot(model, opt)
-    real_open = open
+    real_os_open = os.open
 
-    def open_denied(path: Any, *args: Any, **kwargs: Any) -> Any:
+    def open_denied(path: Any, *args: Any, **kwargs: Any) -> int:
         if str(path).endswith("metadata.json"):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_open(path, *args, **kwargs)
+        return real_os_open(path, *args, **kwargs)
 
     with monkeypatch.context() as m:
         if os.geteuid() == 0:  # root reads anything: inject what a locked file gives
-            m.setattr(files, "open", open_denied, raising=False)
+            m.setattr(os, "open", open_denied)
         else:
             (directory / "metadata.json").chmod(0)
         with pytest.raises(CheckpointError, match=r"cannot read metadata\.json at .*Permission"):
             fprep.load(directory, state, model, optimizers=(opt,))
     (directory / "metadata.json").chmod(0o600)
     # a data file that cannot be opened (a stale handle on a network file system)
-    real_os_open = os.open
 
     def stale(path: Any, *args: Any, **kwargs: Any) -> int:
         if str(path).endswith(".distcp"):

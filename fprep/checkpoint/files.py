@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import stat
@@ -175,12 +176,51 @@ def regular_file_size(path: Path, what: str) -> int:
     except OSError as e:
         raise os_failure(e, f"read {what} at", path, subject=what) from None
     if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError(
-            f"{what} at {path} is not a regular file (a link, directory or device).",
-            subject=what,
-            hint="fprep only reads regular files inside a checkpoint directory.",
-        )
+        raise _not_regular(path, what)
     return info.st_size
+
+
+#: How checkpoint files are opened: never through a link, never blocking (a FIFO swapped in
+#: after ``regular_file_size`` looked would otherwise block the open until a writer came).
+OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+def open_regular(path: Path, what: str, size: int | None = None) -> io.FileIO:
+    """``path`` opened for reading (unbuffered) after ``regular_file_size`` checked it: checked
+    again through the descriptor (a regular file, of ``size`` bytes when given), so what is read
+    is what was checked, whatever the path names meanwhile."""
+    try:
+        fd = os.open(path, OPEN_FLAGS)
+    except OSError as e:
+        raise os_failure(e, f"read {what} at", path, subject=what) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(path, what)
+        if size is not None and info.st_size != size:
+            raise CheckpointError(
+                f"{what} changed while it was read (now not a regular file of {size} bytes).",
+                subject=what,
+                hint="Something modifies the checkpoint while it is loaded; load it when it is "
+                "not.",
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return io.FileIO(fd, "rb")
+
+
+def _not_regular(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{what} at {path} is not a regular file (a link, directory or device).",
+        subject=what,
+        hint="fprep only reads regular files inside a checkpoint directory.",
+    )
 
 
 def read_small(path: Path, what: str, limit: int = MAX_UNVERIFIED_JSON) -> bytes:
@@ -193,7 +233,7 @@ def read_small(path: Path, what: str, limit: int = MAX_UNVERIFIED_JSON) -> bytes
             hint="The file was not written by fprep.save; it was not read.",
         )
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, what) as f:
             return f.read(limit + 1)[:limit]
     except OSError as e:
         raise os_failure(e, f"read {what} at", path, subject=what) from None
@@ -224,13 +264,18 @@ def read_verified(path: Path, record: FileRecord, what: str) -> bytes:
     """The contents of ``path``, checked against its size and digest before being returned."""
     check_size(path, record, what)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, what, record.size) as f:
             data = f.read(record.size + 1)
     except OSError as e:
         raise os_failure(e, f"read {what} at", path, subject=what) from None
+    check_bytes(data, record, what)
+    return data
+
+
+def check_bytes(data: bytes, record: FileRecord, what: str) -> None:
+    """``data`` (a whole file's contents) has the size and digest ``record`` records."""
     check_size_of(data, record, what)
     check_digest(digest_of(data, record.algorithm), record, what)
-    return data
 
 
 def check_size_of(data: bytes, record: FileRecord, what: str) -> None:

@@ -3,18 +3,26 @@
 ::
 
     root/
-      latest                    "step-00000120\\n": the checkpoint load(root) reads
+      latest                    "step-00000120 blake3:<digest of its manifest.json>\\n"
+      .lock                     the root's lock (``lock.py``)
       step-00000100/            one complete checkpoint (never modified once published)
       step-00000120/
       step-00000120.1/          a second save at step 120 (saving never overwrites)
       .tmp-00000130-<uuid>/     a save in progress, or one that was killed: ignored, and
-                                removed by the next save
+                                removed when the next save starts
 
 A save writes everything into a fresh ``.tmp-*`` directory, fsyncs it, and publishes it with
 one ``rename`` to its step name (atomic on POSIX file systems), then replaces ``latest``
 atomically (written to a temporary file, fsynced, ``os.replace``-d). A process killed at any
 moment therefore leaves every published checkpoint intact and ``latest`` naming one of them;
 the interrupted one is either complete (published) or an ignored ``.tmp-*`` directory.
+
+``latest`` pins what it names: besides the directory's name it carries the BLAKE3 digest of that
+directory's ``manifest.json`` (which seals the rest), so a damaged pointer cannot silently name
+another checkpoint. Pointers of older fprep versions (the name alone) are still read.
+
+Saving, rotating and cleaning up happen only under the root's lock (``lock.py``), so no two
+savers ever touch one root at once; cleanup removes ``.tmp-*`` names only, never a published one.
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from fprep.checkpoint.files import fsync_dir, read_small
@@ -32,6 +42,16 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"step-(\d{8,20})(?:\.(\d{1,9}))?")
+#: ``latest`` as fprep writes it: a step directory name and the digest of its manifest.json.
+_POINTER = re.compile(rb"(step-\d{8,20}(?:\.\d{1,9})?) blake3:([0-9a-f]{64})\n")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The step directory to load and, when ``latest`` named it, the digest it pins."""
+
+    step_dir: Path
+    pinned: str | None = None
 
 
 def step_name(step: int, copy: int = 0) -> str:
@@ -65,38 +85,49 @@ def step_dirs(root: Path) -> list[tuple[tuple[int, int], str]]:
     return sorted(found)
 
 
-def read_latest(root: Path) -> str | None:
-    """The step directory ``latest`` names, None when there is no pointer."""
+def parse_latest(text: bytes) -> tuple[str, str | None] | None:
+    """``(name, pinned digest)`` of a pointer (``None`` digest: an older fprep's, the name
+    alone), None when ``text`` is not a pointer."""
+    match = _POINTER.fullmatch(text)
+    if match is not None:
+        return match.group(1).decode(), match.group(2).decode()
+    try:
+        name = text.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None
+    return (name, None) if parse_step_name(name) is not None else None
+
+
+def read_latest(root: Path) -> tuple[str, str | None] | None:
+    """``(name, pinned digest)`` of ``latest``, None when there is no pointer."""
     path = root / LATEST
     if not os.path.lexists(path):
         return None
     text = read_small(path, LATEST, limit=256)
-    try:
-        name = text.decode("ascii").strip()
-    except UnicodeDecodeError:
-        name = ""
-    if parse_step_name(name) is None:
+    parsed = parse_latest(text)
+    if parsed is None:
         raise CheckpointError(
             f"{path} does not name a step directory (it holds {text[:40]!r}).",
             subject=LATEST,
             hint="It was not written by fprep.save; pass the step directory to load instead.",
         )
-    return name
+    return parsed
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
+def resolve(path: str | os.PathLike[str]) -> Target:
     """The step directory to load: ``path`` itself when it holds a manifest, else the one its
-    ``latest`` names, else its newest step directory."""
+    ``latest`` names (with the manifest digest it pins), else its newest step directory."""
     root = Path(path)
     if os.path.lexists(root / MANIFEST):
-        return root
+        return Target(root)
     if not root.is_dir():
         raise CheckpointError(
             f"no checkpoint at {root}: it is not a directory.",
             subject=str(root),
             hint="Pass the directory given to fprep.save, or one of its step-* directories.",
         )
-    name = read_latest(root)
+    pointer = read_latest(root)
+    name, pinned = pointer if pointer is not None else (None, None)
     if name is None:
         dirs = step_dirs(root)
         if not dirs:
@@ -108,17 +139,50 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             )
         name = dirs[-1][1]
     step_dir = root / name
-    if not step_dir.is_dir():
+    try:
+        mode = os.lstat(step_dir).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        raise CheckpointError(
+            f"{root / LATEST} names {name}, which is a symbolic link (to "
+            f"{os.readlink(step_dir)!r}).",
+            subject=LATEST,
+            hint="fprep loads step directories inside the root only; pass the directory the link "
+            "points to, if you trust it, to load it.",
+        )
+    if mode is None or not stat.S_ISDIR(mode):
         raise CheckpointError(
             f"{root / LATEST} names {name}, which does not exist.",
             subject=LATEST,
             hint="The checkpoint it named was deleted; pass another step directory to load.",
         )
-    return step_dir
+    return Target(step_dir, pinned)
 
 
-def publish(root: Path, tmp: Path, step: int) -> Path:
-    """Rename a complete ``tmp`` to a free step name, then point ``latest`` at it."""
+def check_root(root: Path) -> None:
+    """Refuse to save into a published step directory or anywhere inside one (a checkpoint is
+    never modified once published, and its rotation would delete the nested one)."""
+    try:
+        here = root.resolve()
+    except OSError:
+        return  # the save fails later with the OS's reason
+    for directory in (here, *here.parents):
+        if parse_step_name(directory.name) is None or not os.path.lexists(directory / MANIFEST):
+            continue
+        where = "it is" if directory == here else f"it is inside {directory},"
+        raise CheckpointError(
+            f"cannot save into {root}: {where} a published checkpoint.",
+            subject=str(root),
+            hint="A checkpoint is never modified once published: pass the checkpoint root, the "
+            f"directory that holds the step-* directories ({directory.parent}), or another "
+            "directory.",
+        )
+
+
+def publish(root: Path, tmp: Path, step: int, manifest_digest: str) -> Path:
+    """Rename a complete ``tmp`` to a free step name, then point ``latest`` at it (pinning the
+    digest of its manifest). Call it holding the root's lock."""
     fsync_dir(tmp)
     copy = 0
     while True:
@@ -132,14 +196,14 @@ def publish(root: Path, tmp: Path, step: int) -> Path:
                     raise
         copy += 1
     fsync_dir(root)
-    write_latest(root, final.name)
+    write_latest(root, final.name, manifest_digest)
     return final
 
 
-def write_latest(root: Path, name: str) -> None:
+def write_latest(root: Path, name: str, manifest_digest: str) -> None:
     tmp = root / f"{TMP_PREFIX}{LATEST}-{uuid.uuid4().hex}"
     with open(tmp, "w") as f:
-        f.write(name + "\n")
+        f.write(f"{name} blake3:{manifest_digest}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
@@ -162,9 +226,10 @@ def rotate(root: Path, keep_last: int) -> list[str]:
     Returns the names removed.
     """
     try:
-        current = read_latest(root)
+        pointer = read_latest(root)
     except CheckpointError:
-        current = None
+        pointer = None
+    current = None if pointer is None else pointer[0]
     dirs = [name for _, name in step_dirs(root) if name != current]
     excess = len(dirs) + (current is not None) - keep_last
     removed = dirs[: max(excess, 0)]
@@ -174,7 +239,8 @@ def rotate(root: Path, keep_last: int) -> list[str]:
 
 
 def clean_stale(root: Path) -> list[str]:
-    """Remove ``.tmp-*`` leftovers of interrupted saves (call only after publishing)."""
+    """Remove ``.tmp-*`` leftovers of interrupted saves; call it holding the root's lock, which
+    proves that none of them is being written. Nothing but ``.tmp-*`` names is touched."""
     removed = []
     try:
         names = os.listdir(root)

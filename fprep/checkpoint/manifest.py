@@ -2,7 +2,12 @@
 
 The manifest is the checkpoint's root of trust for integrity: it records the size and digest of
 every other file (``{"size": n, "blake3": hex}``; ``"sha256"`` in version 1 manifests, still
-read), which are checked before a file is used. It also holds the step, the user's
+read), which are checked before a file is used. Since version 3 it is *sealed*: the file is
+``{"blake3":"<digest of B>","format":"fprep-checkpoint","manifest":B,"version":3}`` where ``B``
+is the manifest's canonical JSON, and ``parse`` checks the file's exact frame and ``B``'s digest
+before parsing ``B``, so any change to any byte of it is refused. (``latest`` also carries the
+digest of the whole file, see ``layout.py``.) Version 1 and 2 manifests have no seal; they are
+read as before. It also holds the step, the user's
 extras, the scheduler state, the non-tensor part of each optimizer's state (hyperparameters,
 parameter names; tensors are ``{"$tensor": key}`` references into DCP), and per rank the RNG
 states and the data-loader position. It is parsed as strict JSON and validated field by field.
@@ -14,16 +19,35 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fprep.checkpoint.files import ALGORITHMS, FileRecord, dump_json, parse_json
+from fprep.checkpoint.files import ALGORITHMS, FileRecord, digest_of, dump_json, parse_json
 from fprep.checkpoint.metadata import DATA_FILE, METADATA_FILE
 from fprep.errors import CheckpointError
 
 FORMAT = "fprep-checkpoint"
-#: 2: BLAKE3 digests (an older fprep reading one says "version 2 is not 1 (written by a newer
-#: fprep?)" instead of failing on the record). 1: sha256 digests.
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: 3: sealed (the file carries its own BLAKE3 digest). 2: BLAKE3 digests (an older fprep reading
+#: one says "version 2 is not 1 (written by a newer fprep?)" instead of failing on the record).
+#: 1: sha256 digests.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+UNSEALED_VERSIONS = (1, 2)
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")  # 32 bytes: sha256 and BLAKE3's default
+#: A sealed manifest, byte for byte (the body is the canonical JSON the digest is of).
+_SEAL_HEAD = b'{"blake3":"'
+_SEAL_MIDDLE = f'","format":"{FORMAT}","manifest":'.encode()
+_SEAL_TAIL = f',"version":{VERSION}}}'.encode()
+_SEALED = re.compile(
+    re.escape(_SEAL_HEAD)
+    + rb"([0-9a-f]{64})"
+    + re.escape(_SEAL_MIDDLE)
+    + rb"(.*)"
+    + re.escape(_SEAL_TAIL),
+    re.DOTALL,
+)
+
+
+def seal(body: bytes) -> bytes:
+    """The sealed file for a manifest's canonical JSON ``body``."""
+    return _SEAL_HEAD + digest_of(body).encode() + _SEAL_MIDDLE + body + _SEAL_TAIL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +83,11 @@ class Manifest:
     torch_version: str = ""
 
     def to_json_bytes(self) -> bytes:
+        """The sealed file (see the module docs)."""
+        return seal(self.body())
+
+    def body(self) -> bytes:
+        """The canonical JSON the seal covers."""
         return dump_json(
             {
                 "format": FORMAT,
@@ -103,14 +132,64 @@ def _str(data: dict[str, Any], name: str) -> str:
     return value
 
 
-def parse(data: bytes) -> Manifest:
-    obj = parse_json(data, "manifest.json")
+def _check_digest(data: bytes, recorded: str, problem: str, hint: str) -> None:
+    """``data``'s BLAKE3 digest must be ``recorded``; ``problem`` says where it is recorded."""
+    digest = digest_of(data)
+    if digest != recorded:
+        raise CheckpointError(
+            f"manifest.json {problem} (got {digest[:16]}…, recorded {recorded[:16]}…).",
+            subject="manifest.json",
+            hint=hint,
+        )
+
+
+def check_pinned(data: bytes, pinned: str | None, pointer: str) -> None:
+    """``data`` must be the manifest ``pointer`` (``latest``) names by its digest ``pinned``."""
+    if pinned is not None:
+        _check_digest(
+            data,
+            pinned,
+            f"does not match the blake3 digest {pointer} records for it",
+            "The manifest or the pointer was modified or damaged; nothing was loaded. Load a "
+            "step directory by its path to use its own (sealed) manifest.",
+        )
+
+
+def unseal(data: bytes) -> tuple[bytes, bool]:
+    """``(body, True)`` for a sealed manifest, its body checked against its digest;
+    ``(data, False)`` for an unsealed one (``parse`` accepts only versions 1 and 2 then)."""
+    match = _SEALED.fullmatch(data)
+    if match is None:
+        return data, False
+    body = match.group(2)
+    _check_digest(
+        body,
+        match.group(1).decode(),
+        "is damaged: its contents do not match the blake3 digest it records",
+        "The file was modified or damaged after it was saved; nothing was loaded. Load another "
+        "checkpoint.",
+    )
+    return body, True
+
+
+def parse(data: bytes, *, pinned: str | None = None, pointer: str = "latest") -> Manifest:
+    """The manifest in ``data``: its seal (version 3) and, when it was reached through
+    ``latest``, the digest ``pinned`` that the pointer records are checked before anything is
+    parsed."""
+    check_pinned(data, pinned, pointer)
+    body, sealed = unseal(data)
+    obj = parse_json(body, "manifest.json")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise _fail(f"its format is not {FORMAT!r}")
     version = obj.get("version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
-        readable = " or ".join(map(str, READABLE_VERSIONS))
+        *first, last = map(str, READABLE_VERSIONS)
+        readable = f"{', '.join(first)} or {last}"
         raise _fail(f"version {version!r} is not {readable} (written by a newer fprep?)")
+    if not sealed and version not in UNSEALED_VERSIONS:
+        raise _fail(f"a version {version} manifest must be sealed, this one is not (damaged?)")
+    if sealed and version != VERSION:
+        raise _fail(f"its seal is of version {VERSION}, its contents of version {version}")
     expected = {
         "format",
         "version",

@@ -3,15 +3,20 @@
 Phases (every rank, collectives in the same order), each ending in agreement so that a failure
 on one rank is raised on all:
 
-1. rank 0 resolves the step directory (``latest``, or the newest ``step-*``);
-2. every rank parses ``manifest.json`` (strict JSON), checks ``metadata.json`` against the size
-   and digest the manifest records, parses it, and compares keys, shapes and dtypes with the
-   live model and optimizers; non-tensor state (scheduler, loader, RNG, extras) is decoded and
-   validated too. Nothing has been changed yet (see ``_restore`` for the one exception);
+1. rank 0 resolves the step directory (``latest`` with the manifest digest it pins, or the
+   newest ``step-*``);
+2. every rank checks ``manifest.json``'s seal (and the pinned digest) and parses it (strict
+   JSON), checks ``metadata.json`` against the size and digest the manifest records, parses it,
+   and compares keys, shapes and dtypes with the live model and optimizers; each optimizer
+   record is checked against the live optimizer (``optim_fit``: groups, hyperparameter kinds,
+   state entries), the RNG states in full (``rng.check``: ``rng.restore`` cannot fail on what
+   passes), the scheduler / loader / extras data is decoded. Nothing has been changed yet (see
+   ``_restore`` for the one exception); all ranks agree that every check passed on every rank;
 3. DCP plans which chunks each rank reads; ``SafeReader`` opens and checks every file this rank
    needs (size, digest), all ranks agree that every check passed, and only then copies the
    chunks into the live tensors (this rank's shards, in place: no second copy of the state);
-4. then the model, optimizers, scheduler, loader and RNG states are set from them.
+4. then the model, optimizers, scheduler, loader and RNG states are set from them, and the
+   ranks agree once more: every rank returns, or every rank raises.
 
 An ``OSError`` on the way (permissions, a file that cannot be opened, an I/O error) becomes a
 ``CheckpointError`` naming the file and what to do, on every rank.
@@ -37,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from fprep.checkpoint import layout, rng, validate
+from fprep.checkpoint import layout, optim_fit, rng, validate
 from fprep.checkpoint import metadata as md_json
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import decode, encode, tensor_keys
@@ -67,6 +72,7 @@ class _OptimizerPlan:
     saved_groups: list[dict[str, Any]]  # tensors in them are placeholders
     load_groups: bool  # False: another optimizer class (strict=False), keep its hyperparameters
     live: Any = None  # the live encoded skeleton (not fresh)
+    fill: list[dict[str, Any]] = field(default_factory=list)  # per group: live values kept
     live_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -92,8 +98,13 @@ def _dummy(key: str) -> torch.Tensor:
     return torch.empty(0)
 
 
-def _read(step_dir: Path) -> tuple[Manifest, Metadata]:
-    manifest = parse(read_small(step_dir / layout.MANIFEST, layout.MANIFEST))
+def _read(target: layout.Target) -> tuple[Manifest, Metadata]:
+    step_dir = target.step_dir
+    manifest = parse(
+        read_small(step_dir / layout.MANIFEST, layout.MANIFEST),
+        pinned=target.pinned,
+        pointer=str(step_dir.parent / layout.LATEST),
+    )
     files = manifest.files
     raw = read_verified(
         step_dir / md_json.METADATA_FILE, files[md_json.METADATA_FILE], md_json.METADATA_FILE
@@ -136,7 +147,7 @@ def _nothing_saved(arg: str, saved: str, kept: str, strict: bool, source: str) -
 
 
 def _plan(
-    step_dir: Path,
+    target: layout.Target,
     state: PrepState,
     model: nn.Module,
     opts: tuple[torch.optim.Optimizer, ...],
@@ -146,7 +157,8 @@ def _plan(
     group: Group,
 ) -> _Plan:
     device = need(state.device, "init_device", "fprep.load")
-    manifest, metadata = _read(step_dir)
+    step_dir = target.step_dir
+    manifest, metadata = _read(target)
     saved = _saved_specs(metadata)
     notes: list[str] = []
     source = f"the checkpoint {step_dir}"
@@ -217,14 +229,14 @@ def _plan(
             load_groups=same_class,
         )
         if fresh:
-            live_groups = group_params(fresh_skeleton(model, opt))
+            osd = fresh_skeleton(model, opt)
         else:
             osd = get_optimizer_state_dict(model, opt)  # creates state if it has none (undone
             # by _restore on failure)
             plan.live = encode(osd, prefix, plan.live_tensors)
             live.update(plan.live_tensors)
-            live_groups = group_params(osd)
             saved_for_compare.update({k: v for k, v in saved.items() if k.startswith(prefix + "/")})
+        live_groups = group_params(osd)
         saved_groups = [list(g["params"]) for g in groups]
         if saved_groups != live_groups:
             message = (
@@ -238,6 +250,7 @@ def _plan(
                     hint="Build the optimizer over the same parameters, in the same groups.",
                 )
             notes.append(message + "; hyperparameters were loaded by group position.")
+        _check_fit(plan, structure, osd, source, notes)
         plans.append(plan)
 
     diff = validate.compare({k: _spec(v) for k, v in live.items()}, saved_for_compare)
@@ -317,6 +330,24 @@ def _plan(
     )
 
 
+def _check_fit(
+    plan: _OptimizerPlan, structure: Any, live: dict[str, Any], source: str, notes: list[str]
+) -> None:
+    """The saved record against the live optimizer (``optim_fit``), for what will be applied:
+    its hyperparameters (when they are loaded) and its state (when the saved one is used)."""
+    if plan.load_groups:
+        optim_fit.check_groups(plan.saved_groups, live["param_groups"], plan.index, source)
+        plan.fill = optim_fit.missing_hyperparameters(plan.saved_groups, live["param_groups"])
+        for g, fill in enumerate(plan.fill):
+            if fill:
+                notes.append(
+                    f"optimizer {plan.index} param group {g}: the checkpoint has no "
+                    f"{', '.join(map(repr, sorted(fill)))}; the live value was kept."
+                )
+    if not plan.fresh and set(tensor_keys(plan.saved)) == set(plan.live_tensors):
+        optim_fit.check_state(structure["state"], live["state"], plan.index, source)
+
+
 def _groups_text(groups: list[list[str]]) -> str:
     return "[" + "; ".join(", ".join(g[:4]) + (", …" if len(g) > 4 else "") for g in groups) + "]"
 
@@ -357,11 +388,30 @@ def _apply(plan: _Plan, model: nn.Module, strict: bool) -> None:
             osd = decode(op.saved, what, targets.__getitem__)
             if not op.load_groups:
                 osd["param_groups"] = live["param_groups"]
+            for group, fill in zip(osd["param_groups"], op.fill, strict=False):
+                group.update(fill)
         else:  # strict=False with differing keys: the live structure, saved values where present
             osd = live
             if op.load_groups:
                 _update_groups(osd["param_groups"], op.saved_groups)
         set_optimizer_state_dict(model, opt, osd)
+
+
+def _apply_failed(step_dir: Path, error: Exception) -> CheckpointError:
+    """A failure after every check passed (a scheduler's or loader's own ``load_state_dict``,
+    an I/O error, a bug): the live objects may be partly loaded, and every rank says so."""
+    if isinstance(error, CheckpointError):
+        return error
+    wrapped = CheckpointError(
+        f"loading {step_dir} failed after every check had passed, while applying it: "
+        f"{type(error).__name__}: {error}",
+        subject=str(step_dir),
+        hint="The model, optimizers, scheduler or loader may be partly loaded: load again or "
+        "rebuild them. A scheduler's or loader's load_state_dict gets the saved data as it is; "
+        "anything else is a bug in fprep's checks, please report it.",
+    )
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _update_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
@@ -396,7 +446,7 @@ def load(
     device = need(state.device, "init_device", "fprep.load")
     error: BaseException | None = None
     opts: tuple[torch.optim.Optimizer, ...] = ()
-    name = None
+    found: tuple[str, str | None] | None = None
     try:
         for flag, value in (("strict", strict), ("verify_hashes", verify_hashes)):
             if not isinstance(value, bool):
@@ -405,16 +455,19 @@ def load(
         check_stateful(scheduler, "scheduler")
         check_stateful(loader, "loader")
         if group.rank == 0:
-            name = str(layout.resolve(path))
+            resolved = layout.resolve(path)
+            found = (str(resolved.step_dir), resolved.pinned)
     except Exception as e:
         error = read_failure(e, path)
-    step_dir = Path(group.agree(error, name)[0])
+    name, pinned = group.agree(error, found)[0]
+    target = layout.Target(Path(name), pinned)
+    step_dir = target.step_dir
 
     snapshots = [dict(opt.state) for opt in opts]
     plan: _Plan | None = None
     error = None
     try:
-        plan = _plan(step_dir, state, model, opts, scheduler, loader, strict, group)
+        plan = _plan(target, state, model, opts, scheduler, loader, strict, group)
     except Exception as e:
         error = read_failure(e, step_dir)
     try:
@@ -447,16 +500,21 @@ def load(
             raise unwrap_dcp_error(e) from None
         finally:
             reader.close()  # files still open if DCP failed before reading
-    _apply(plan, model, strict)
-    if scheduler is not None and plan.scheduler_state is not None:
-        scheduler.load_state_dict(plan.scheduler_state)
-    scaler = getattr(state.handles, "grad_scaler", None)
-    if scaler is not None and plan.scaler_state is not None:
-        scaler.load_state_dict(plan.scaler_state)
-    if loader is not None and plan.loader_state is not None:
-        loader.load_state_dict(plan.loader_state)
-    if plan.rng_state is not None:
-        rng.restore(plan.rng_state, device.device_type)
+    error = None
+    try:
+        _apply(plan, model, strict)
+        if scheduler is not None and plan.scheduler_state is not None:
+            scheduler.load_state_dict(plan.scheduler_state)
+        scaler = getattr(state.handles, "grad_scaler", None)
+        if scaler is not None and plan.scaler_state is not None:
+            scaler.load_state_dict(plan.scaler_state)
+        if loader is not None and plan.loader_state is not None:
+            loader.load_state_dict(plan.loader_state)
+        if plan.rng_state is not None:
+            rng.restore(plan.rng_state, device.device_type)
+    except Exception as e:
+        error = _apply_failed(step_dir, e)
+    group.agree(error)  # every rank returns, or every rank raises
     return LoadedInfo(
         step=plan.manifest.step,
         extras=plan.extras,

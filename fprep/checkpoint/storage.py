@@ -34,7 +34,6 @@ import ctypes
 import dataclasses
 import mmap
 import os
-import stat
 import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future as Job
@@ -68,6 +67,7 @@ from fprep.checkpoint.files import (
     check_size,
     dump_json,
     new_hasher,
+    open_regular,
     os_failure,
     read_failure,
     write_durable,
@@ -352,25 +352,12 @@ class Source:
     def __init__(self, path: Path, record: FileRecord, what: str) -> None:
         check_size(path, record, what)  # missing, a link, truncated: the clear messages
         # and should the path change after that check: no link is followed, no FIFO blocks
-        flags = os.O_RDONLY
-        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"):
-            flags |= getattr(os, name, 0)
-        try:
-            fd = os.open(path, flags)
-        except OSError as e:
-            raise os_failure(e, f"read {what} at", path, subject=what) from None
-        self.file = open(fd, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.file = open_regular(path, what, record.size)
         self.path, self.record, self.what = path, record, what
         self._mapped: Any = None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != record.size:
-                raise self._changed()
-            if hasattr(os, "posix_fadvise"):  # both passes read it in order: read ahead more
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except BaseException:
-            self.close()
-            raise
+        if hasattr(os, "posix_fadvise"):  # both passes read it in order: read ahead more
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def _changed(self) -> CheckpointError:
         return CheckpointError(

@@ -3,20 +3,23 @@
 Order of work (every rank, collectives in the same order):
 
 1. check the arguments and turn every non-tensor value into JSON data (before any effect);
-2. rank 0 creates a fresh ``.tmp-*`` directory; all ranks agree that nothing failed;
+2. rank 0 takes the root's lock (``lock.py``; held until the end), removes stale ``.tmp-*``
+   leftovers and creates a fresh ``.tmp-*`` directory; all ranks agree that nothing failed;
 3. ``torch.distributed.checkpoint.save`` of the tensors through ``SafeWriter`` (raw bytes,
    a BLAKE3 digest per file, ``metadata.json`` on the coordinator; a progress line on rank 0
    when it is slow);
 4. rank 0 gathers each rank's file records, RNG states and loader position, writes
-   ``manifest.json``, publishes (rename + ``latest``), rotates, removes stale temp dirs;
+   ``manifest.json``, publishes (rename + ``latest``), rotates, and releases the lock;
 5. every rank returns the published directory (or raises the same error).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from fprep.checkpoint import layout, rng
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import encode
-from fprep.checkpoint.files import write_durable
+from fprep.checkpoint.files import FileRecord, write_durable
+from fprep.checkpoint.lock import RootLock, lock_root
 from fprep.checkpoint.manifest import Manifest, OptimizerRecord, RankRecord
 from fprep.checkpoint.states import model_tensors, split_optimizers
 from fprep.checkpoint.storage import SafeWriter
@@ -99,43 +103,78 @@ def save(
     sd_state = need(state.state_dict, "init_state_dict", "fprep.save")
     device = need(state.device, "init_device", "fprep.save")
     tmp: Path | None = None
+    lock: RootLock | None = None
     error: BaseException | None = None
-    tensors: dict[str, torch.Tensor] = {}
-    skeletons: list[OptimizerRecord] = []
-    encoded_extras: Any = None
-    encoded_scheduler: Any = None
-    encoded_scaler: Any = None
-    record = RankRecord()
+    collected = _Collected()
     try:
-        _check_args(step, keep_last)
-        opts = as_optimizers(optimizers)
-        check_stateful(scheduler, "scheduler")
-        check_stateful(loader, "loader")
-        encoded_extras = encode(extras, "extras", None)
-        encoded_scheduler = (
-            None if scheduler is None else encode(scheduler.state_dict(), "scheduler", None)
+        try:
+            _check_args(step, keep_last)
+            opts = as_optimizers(optimizers)
+            check_stateful(scheduler, "scheduler")
+            check_stateful(loader, "loader")
+            collected.extras = encode(extras, "extras", None)
+            if scheduler is not None:
+                collected.scheduler = encode(scheduler.state_dict(), "scheduler", None)
+            encoded_loader = None if loader is None else encode(loader.state_dict(), "loader", None)
+            collected.scaler = _grad_scaler_state(state)
+            collected.tensors.update(model_tensors(state, model, for_save=True))
+            collected.optimizers = split_optimizers(
+                state, model, opts, collected.tensors, for_save=True
+            )
+            collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
+            if group.rank == 0:
+                layout.check_root(root)
+                lock = lock_root(root)  # held until this save has published and rotated
+                layout.clean_stale(root)  # the lock proves that no one writes them any more
+                tmp = layout.new_tmp_dir(root, step)
+        except Exception as e:
+            error = e if isinstance(e, PrepError) else _failed("collecting state", root, e)
+        try:
+            names = group.agree(error, None if tmp is None else tmp.name)
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        tmp = root / names[0]
+        _write_tensors(tmp, collected, group)
+        manifest = Manifest(
+            step=step,
+            world_size=group.world_size,
+            strategy=core.strategy,
+            state_dict_type=sd_state.type,
+            optimizers=tuple(collected.optimizers),
+            scheduler=collected.scheduler,
+            grad_scaler=collected.scaler,
+            extras=collected.extras,
+            fprep_version=_fprep_version(),
+            torch_version=str(torch.__version__),
         )
-        encoded_loader = None if loader is None else encode(loader.state_dict(), "loader", None)
-        encoded_scaler = _grad_scaler_state(state)
-        tensors.update(model_tensors(state, model, for_save=True))
-        skeletons = split_optimizers(state, model, opts, tensors, for_save=True)
-        record = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
-        if group.rank == 0:
-            tmp = layout.new_tmp_dir(root, step)
-    except Exception as e:
-        error = e if isinstance(e, PrepError) else _failed("collecting state", root, e)
-    try:
-        names = group.agree(error, None if tmp is None else tmp.name)
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tmp = root / names[0]
+        return _publish(root, tmp, manifest, collected, group, keep_last)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@dataclass
+class _Collected:
+    """What this rank saves, turned into tensors and JSON data before anything is written."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizers: list[OptimizerRecord] = field(default_factory=list)
+    extras: Any = None
+    scheduler: Any = None
+    scaler: Any = None
+    rank: RankRecord = field(default_factory=RankRecord)
+    files: dict[str, FileRecord] = field(default_factory=dict)  # written by this rank
+
+
+def _write_tensors(tmp: Path, collected: _Collected, group: Group) -> None:
+    """Every rank's tensors into ``tmp`` through DCP; the files written go to ``collected``."""
     writer = SafeWriter(tmp, progress=group.rank == 0)
     try:
         with group.dcp_call():
             dcp_save(
-                tensors,
+                collected.tensors,
                 storage_writer=writer,
                 planner=DefaultSavePlanner(flatten_state_dict=False),
                 no_dist=not group.distributed,
@@ -145,32 +184,34 @@ def save(
             raise
         _discard(tmp, group)
         raise unwrap_dcp_error(e) from None
-    del tensors
-    gathered = group.all_gather((dict(writer.files), record))
+    collected.tensors = {}
+    collected.files = dict(writer.files)
+
+
+def _publish(
+    root: Path,
+    tmp: Path,
+    manifest: Manifest,
+    collected: _Collected,
+    group: Group,
+    keep_last: int | None,
+) -> Path:
+    """Rank 0 completes the manifest with every rank's files and records, writes it, publishes
+    and rotates; every rank returns the published directory (or raises the same error)."""
+    gathered = group.all_gather((collected.files, collected.rank))
     published: Path | None = None
     error = None
     if group.rank == 0:
         try:
-            files = {name: rec for f, _ in gathered for name, rec in f.items()}
-            manifest = Manifest(
-                step=step,
-                world_size=group.world_size,
-                strategy=core.strategy,
-                state_dict_type=sd_state.type,
-                files=files,
-                optimizers=tuple(skeletons),
-                scheduler=encoded_scheduler,
-                grad_scaler=encoded_scaler,
+            manifest = dataclasses.replace(
+                manifest,
+                files={name: rec for f, _ in gathered for name, rec in f.items()},
                 ranks=tuple(r for _, r in gathered),
-                extras=encoded_extras,
-                fprep_version=_fprep_version(),
-                torch_version=str(torch.__version__),
             )
-            write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
-            published = layout.publish(root, tmp, step)
+            sealed = write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
+            published = layout.publish(root, tmp, manifest.step, sealed.digest)
             if keep_last is not None:
                 layout.rotate(root, keep_last)
-            layout.clean_stale(root)
         except Exception as e:
             error = e if isinstance(e, PrepError) else _failed("publishing", root, e)
             if published is None:
