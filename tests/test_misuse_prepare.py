@@ -148,5 +148,7 @@ def test_bf16_losses_match_the_fp32_reference_on_two_gloo_ranks() -> None:
         for strategy, (loss, loss_dtype, logits_dtype) in rank_result.items():
             assert (loss_dtype, logits_dtype) == ("torch.float32", "torch.float32"), strategy
             assert loss == pytest.approx(ref, rel=2e-2), (strategy, loss, ref)
+    # The same numerics: only the parameters' bf16 rounding place differs (measured: 2e-5
+    # apart; the loss computed in bf16 under fsdp alone was 1.4e-3 apart).
     fsdp, ddp = results[0]["fsdp"][0], results[0]["ddp"][0]
-    assert fsdp == pytest.approx(ddp, rel=5e-3)
+    assert fsdp == pytest.approx(ddp, rel=2e-4)

@@ -221,6 +221,14 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
             subject=p.fqn,
             hint="Register it as a 1-element tensor (shape [1]), or add it to ignored_params.",
         )
+    if shard is not None and not p.contiguous:
+        raise ModelError(
+            f"parameter {p.fqn!r} of shape {p.shape} is not contiguous (e.g. a channels_last "
+            "convolution weight); FSDP2 shards contiguous parameters only.",
+            subject=p.fqn,
+            hint="Call model.to(memory_format=torch.contiguous_format) before prepare (you may "
+            "keep channels_last inputs), or add it to ignored_params.",
+        )
     local, padded = shard_shape(p.shape, *shard) if shard is not None else (p.shape, p.shape)
     return ShardSpec(
         fqn=p.fqn,
