@@ -285,13 +285,26 @@ class ModuleTree:
         # Per class: its MRO names and whether it has reset_parameters (looked up once).
         class_cache: dict[type, tuple[tuple[str, ...], bool, bool]] = {}
 
-        # Each entry carries the ids of its ancestors, so that a module registered below itself
-        # (a cycle, which would make the walk endless) is found where it closes.
-        stack: list[tuple[str, nn.Module, tuple[int, ...]]] = [("", model, ())]
+        # A module registered below itself (a cycle) would make the walk endless. Each entry
+        # carries its parent's position; only a module met again (shared, or a cycle) has its
+        # ancestors searched, so the common case costs one set lookup.
+        ids: list[int] = []  # id of the module at each position
+        parents: list[int] = []  # position of each position's parent (-1: the root)
+        met: set[int] = set()
+        stack: list[tuple[str, nn.Module, int]] = [("", model, -1)]
         while stack:
-            prefix, mod, ancestors = stack.pop()
-            if id(mod) in ancestors:
-                _refuse_cycle(mod, prefix)
+            prefix, mod, parent = stack.pop()
+            key = id(mod)
+            if key in met:
+                at = parent
+                while at >= 0:
+                    if ids[at] == key:
+                        _refuse_cycle(mod, prefix)
+                    at = parents[at]
+            met.add(key)
+            position = len(ids)
+            ids.append(key)
+            parents.append(parent)
             kind = type(mod)
             known = class_cache.get(kind)
             if known is None:
@@ -347,8 +360,7 @@ class ModuleTree:
                     compiled=mod.__dict__.get("_compiled_call_impl") is not None,
                 )
             )
-            inner = (*ancestors, id(mod))
-            stack.extend([(fqn, c, inner) for fqn, c in reversed(children)])
+            stack.extend([(fqn, c, position) for fqn, c in reversed(children)])
 
         param_infos = tuple(
             ParamInfo(
