@@ -93,7 +93,7 @@ def _rank_device(state: PrepState, device: DeviceState) -> str | None:
 def _check_quantized_placement(state: PrepState, device: DeviceState) -> None:
     """An 8/4-bit model cannot be moved, so it must already sit on this rank's device. The
     compute device follows the parameters, so compare with the rank's own device instead."""
-    tree = state.tree
+    tree, topo = state.tree, state.topology
     bits = tree.quantization
     own = _rank_device(state, device)
     if bits is None or own is None:
@@ -102,7 +102,7 @@ def _check_quantized_placement(state: PrepState, device: DeviceState) -> None:
     if tree.hf_device_map is not None:
         # device maps name devices as an index ("0"), a type ("cuda") or both ("cuda:0")
         where += [
-            f"{device.device_type}:{d}" if d.isdigit() else normalize_device(d, 0)
+            f"{device.device_type}:{d}" if d.isdigit() else normalize_device(d, topo.local_rank)
             for _, d in tree.hf_device_map
             if d not in ("cpu", "disk")
         ]
