@@ -39,6 +39,10 @@ WrapPolicy: TypeAlias = (
 )
 ParamInitFn: TypeAlias = Callable[[nn.Module], None]
 
+#: The longest ``timeout_s``: torch keeps timeouts in nanoseconds in 64 bits (about 9.2e9 s);
+#: longer ones overflow (``OverflowError``, or gloo's "Invalid timeout").
+MAX_TIMEOUT_S = 1e9
+
 
 # -- small validators ------------------------------------------------------------------------
 def _fail(owner: str, name: str, message: str, hint: str = "") -> ConfigError:
@@ -76,7 +80,9 @@ def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
         raise _fail(owner, name, f"must be an int >= {minimum}; got {value!r}.")
 
 
-def _check_number(owner: str, name: str, value: object, *, positive: bool = True) -> None:
+def _check_number(
+    owner: str, name: str, value: object, *, positive: bool = True, maximum: float = math.inf
+) -> None:
     if (
         not isinstance(value, int | float)
         or isinstance(value, bool)
@@ -84,6 +90,13 @@ def _check_number(owner: str, name: str, value: object, *, positive: bool = True
         or (positive and value <= 0)
     ):
         raise _fail(owner, name, f"must be a positive number; got {value!r}.")
+    if isinstance(value, int | float) and value > maximum:
+        raise _fail(
+            owner,
+            name,
+            f"must be at most {maximum:g}; got {value!r}.",
+            "Longer timeouts overflow torch's clocks (nanoseconds in 64 bits); 1e9 s is 31 years.",
+        )
 
 
 def _names_tuple(owner: str, name: str, value: object) -> tuple[str, ...]:
@@ -151,6 +164,7 @@ def _normalize_wrap(value: object) -> WrapPolicy:
         value = resolve_import_string(value, name)
     if isinstance(value, bool):
         raise _fail(owner, name, f"must be classes, a parameter count or a callable; got {value}.")
+    _refuse_instance(value)
     if isinstance(value, int):
         _check_int(owner, name, value, minimum=1)
         return value
@@ -161,6 +175,7 @@ def _normalize_wrap(value: object) -> WrapPolicy:
         for item in value:
             if isinstance(item, str) and ":" in item:
                 item = resolve_import_string(item, name)
+            _refuse_instance(item)
             if (isinstance(item, type) and issubclass(item, nn.Module)) or (
                 isinstance(item, str) and item
             ):
@@ -182,6 +197,19 @@ def _normalize_wrap(value: object) -> WrapPolicy:
         f"must be a module class, a tuple of classes, a minimum parameter count, or a "
         f"callable(ModuleInfo) -> bool; got {value!r}.",
     )
+
+
+def _refuse_instance(value: object) -> None:
+    """A module *instance* is callable, so it would pass as a predicate and be called with a
+    ``ModuleInfo``: refuse it and say which class was probably meant."""
+    if isinstance(value, nn.Module):
+        cls = type(value)
+        raise _fail(
+            "PrepConfig",
+            "wrap",
+            f"got a module instance ({cls.__qualname__}); pass the class, not an instance.",
+            f"Write wrap={cls.__qualname__} (or the block class of your model).",
+        )
 
 
 def wrap_class_names(wrap: WrapPolicy) -> tuple[str, ...]:
@@ -338,7 +366,7 @@ class PrepConfig:
         if self.seed is not None:
             _check_int(o, "seed", self.seed, minimum=0)
         _check_choice(o, "state_dict_type", self.state_dict_type, StateDictType)
-        _check_number(o, "timeout_s", self.timeout_s)
+        _check_number(o, "timeout_s", self.timeout_s, maximum=MAX_TIMEOUT_S)
         _check_weights(self)
 
     # -- conveniences ----------------------------------------------------------------------
@@ -448,8 +476,9 @@ def _check_device(device: object) -> None:
 
     ok = isinstance(device, str)
     if ok:
-        kind, _, index = str(device).partition(":")
-        ok = kind in DEVICE_TYPES and (index == "" or index.isdigit())
+        kind, colon, index = str(device).partition(":")
+        # ASCII digits only: str.isdigit() also accepts '²' or '١', which int() then refuses
+        ok = kind in DEVICE_TYPES and (not colon or (index.isascii() and index.isdigit()))
     if not ok:
         raise ConfigError(
             f"PrepConfig.device must be a device string like 'cpu', 'cuda', 'cuda:1', 'hpu'; "

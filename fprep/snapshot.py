@@ -31,10 +31,12 @@ NO_FORWARD_CONTAINERS: frozenset[str] = frozenset(
     {"torch.nn.modules.container.ModuleList", "torch.nn.modules.container.ModuleDict"}
 )
 
-_SHARDED_MARKERS = (
-    "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule",
-    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
-)
+#: FSDP2's ``FSDPModule`` and FSDP1's wrapper, by bare class name: torch moves them between
+#: private modules (``torch.distributed.fsdp.FSDPModule`` in 2.13, ``..._fully_shard.FSDPModule``
+#: before), so any class of that name under ``torch.distributed`` counts.
+_SHARDED_CLASSES = ("FSDPModule", "FullyShardedDataParallel")
+#: What ``torch.compile(model)`` returns (the model is its child ``_orig_mod``).
+COMPILED_WRAPPER = "torch._dynamo.eval_frame.OptimizedModule"
 _REPLICATED_MARKERS = ("torch.nn.parallel.distributed.DistributedDataParallel",)
 
 #: ``nn.Module.forward`` of a class that does not define one (ModuleList, ModuleDict, ...).
@@ -101,6 +103,8 @@ class ParamInfo:
     dtype: str = "float32"
     device: str = "cpu"
     requires_grad: bool = True
+    #: False for a strided layout FSDP cannot shard (e.g. channels_last convolution weights)
+    contiguous: bool = True
 
     @property
     def fqn(self) -> str:
@@ -158,6 +162,8 @@ class ModuleInfo:
     #: False for a ModuleList / ModuleDict (or subclass) that defines no forward — what
     #: ``fully_shard`` refuses; ``None``: judge by class name (hand-built trees)
     has_forward: bool | None = None
+    #: ``module.compile()`` was called (it sets ``_compiled_call_impl``)
+    compiled: bool = False
 
     @property
     def class_name(self) -> str:
@@ -181,11 +187,29 @@ class ModuleInfo:
     @property
     def is_sharded(self) -> bool:
         """Already managed by FSDP (FSDP2 ``fully_shard`` or the FSDP1 wrapper)."""
-        return any(m in self.mro for m in _SHARDED_MARKERS)
+        return any(
+            m.startswith("torch.distributed.") and m.rpartition(".")[2] in _SHARDED_CLASSES
+            for m in self.mro
+        )
+
+    @property
+    def is_compiled(self) -> bool:
+        """Already compiled by the user: ``torch.compile(module)`` or ``module.compile()``."""
+        return self.compiled or COMPILED_WRAPPER in self.mro
 
     @property
     def is_replicated(self) -> bool:
         return any(m in self.mro for m in _REPLICATED_MARKERS)
+
+
+def _refuse_cycle(module: nn.Module, fqn: str) -> None:
+    raise ModelError(
+        f"the module tree has a cycle: {fqn!r} is a {type(module).__qualname__} that is also "
+        "one of its own ancestors, so the tree has no end (state_dict() would recurse forever).",
+        subject=fqn,
+        hint="Register each module below itself at most once: keep a reference to a parent in "
+        "a plain attribute (object.__setattr__) or a weakref, not as a submodule.",
+    )
 
 
 @dataclass(frozen=True)
@@ -264,9 +288,26 @@ class ModuleTree:
         # Per class: its MRO names and whether it has reset_parameters (looked up once).
         class_cache: dict[type, tuple[tuple[str, ...], bool, bool, bool]] = {}
 
-        stack: list[tuple[str, nn.Module]] = [("", model)]
+        # A module registered below itself (a cycle) would make the walk endless. Each entry
+        # carries its parent's position; only a module met again (shared, or a cycle) has its
+        # ancestors searched, so the common case costs one set lookup.
+        ids: list[int] = []  # id of the module at each position
+        parents: list[int] = []  # position of each position's parent (-1: the root)
+        met: set[int] = set()
+        stack: list[tuple[str, nn.Module, int]] = [("", model, -1)]
         while stack:
-            prefix, mod = stack.pop()
+            prefix, mod, parent = stack.pop()
+            key = id(mod)
+            if key in met:
+                at = parent
+                while at >= 0:
+                    if ids[at] == key:
+                        _refuse_cycle(mod, prefix)
+                    at = parents[at]
+            met.add(key)
+            position = len(ids)
+            ids.append(key)
+            parents.append(parent)
             kind = type(mod)
             known = class_cache.get(kind)
             if known is None:
@@ -321,10 +362,10 @@ class ModuleTree:
                     has_reset_parameters=has_reset,
                     has_init_weights=has_init_weights,
                     has_forward=has_forward,
+                    compiled=mod.__dict__.get("_compiled_call_impl") is not None,
                 )
             )
-            children.reverse()
-            stack.extend(children)
+            stack.extend([(fqn, c, position) for fqn, c in reversed(children)])
 
         param_infos = tuple(
             ParamInfo(
@@ -333,6 +374,7 @@ class ModuleTree:
                 dtype=dtype_name(p.dtype),
                 device=str(p.device),
                 requires_grad=p.requires_grad,
+                contiguous=p.is_contiguous(),
             )
             for names, p in params.values()
         )

@@ -137,7 +137,7 @@ class PrecisionPolicy:
     param_dtype: str | None = None  # compute dtype of parameters (FSDP all-gather dtype)
     reduce_dtype: str | None = None  # gradient reduction dtype
     output_dtype: str | None = "float32"  # what forward returns
-    autocast_dtype: str | None = None  # autocast region dtype for non-FSDP strategies
+    autocast_dtype: str | None = None  # autocast region dtype (every strategy)
     grad_scaling: bool = False  # fp16 needs a gradient scaler
     fp8: bool = False
 

@@ -80,7 +80,7 @@ def check_core(state: PrepState) -> None:
     else:
         low = "float16" if cfg.precision == "fp16" else "bfloat16"
         if core.is_sharded:
-            assert (p.param_dtype, p.autocast_dtype) == (low, None)
+            assert (p.param_dtype, p.autocast_dtype) == (low, low)  # same numerics as ddp
             assert p.reduce_dtype == (cfg.reduce_dtype or "float32")
         else:
             assert (p.param_dtype, p.reduce_dtype, p.autocast_dtype) == (None, None, low)

@@ -32,6 +32,14 @@ def handles_of(state: PrepState) -> ParamHandleState:
         # generated wrap policy split a tied parameter's modules over sibling units.
         assert_split_tie(state, result.failure().subject)
         assume(False)
+    if isinstance(result, Failure) and "matches no module of the model" in str(result.failure()):
+        # A correct refusal (tests/test_misuse_plan.py): a drawn class policy names a class
+        # the drawn tree does not have.
+        assert isinstance(state.config.wrap, tuple)
+        assert not all(
+            any(m.is_a(n) for m in state.tree.modules) for n in wrap_class_names(state.config.wrap)
+        )
+        assume(False)
     handles = success(result).param_handles
     assert handles is not None
     return handles

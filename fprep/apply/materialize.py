@@ -59,6 +59,7 @@ from fprep.apply.init_exchange import (
 from fprep.apply.init_jobs import Init, Scratch, job_for, reach_of, run_everywhere
 from fprep.apply.init_rows import init_by_rows, init_in_full
 from fprep.apply.init_schedule import schedule, shares_work
+from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.progress import Progress
@@ -242,7 +243,9 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         # Allocate everything first: a tied parameter is reachable from several modules, and
         # allocating it again after one of them initialized it would lose those values.
         for _, module in modules:
+            attrs = param_attributes(module, recurse=False)
             module.to_empty(device=storage, recurse=False)
+            carry_param_attributes(module, attrs, recurse=False)  # to_empty made new objects
         _retie(model, specs)
         _mark_unwritten(inited)
         # Flagged once allocated: to_empty swaps a DTensor parameter's contents, flags included.

@@ -1,11 +1,14 @@
-"""precision: autocast for replicated / single-device models, grad scaling for fp16.
+"""precision: autocast for every strategy, grad scaling for fp16.
 
 Autocast wraps the model's forward (``AutocastForward``, an instance attribute of a module-level
 class, not hooks: nn.Module's hook dispatch costs microseconds a call) and casts outputs back to
 float32. ``torch.save(model)`` and ``copy.deepcopy(model)`` keep working — unlike patching
 ``model.forward`` with a closure.
 
-Sharded strategies get their dtypes from FSDP2's ``MixedPrecisionPolicy`` (see shard.py).
+Sharded strategies also get their parameter, reduction and output dtypes from FSDP2's
+``MixedPrecisionPolicy`` (see shard.py); autocast runs there too, so that the ops autocast keeps
+in float32 (softmax, norms, a loss computed inside forward) do so under every strategy: one
+precision setting, the same numerics and output dtypes everywhere.
 """
 
 from __future__ import annotations

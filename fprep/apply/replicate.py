@@ -77,6 +77,7 @@ def replicate(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]
     ddp = DistributedDataParallel(
         model, device_ids=device_ids, process_group=handles.process_group, **kwargs
     )
+    ddp.training = model.training  # a new Module starts in training mode: keep the model's
     options = state.config.ddp
     register_comm_hook(
         ddp,

@@ -10,7 +10,8 @@ compile registered hooks and state, autocast replaced ``forward``, ``place`` mov
 effects touch: every module's class and ``__dict__`` (its parameter, buffer, child and hook
 dicts and its set of non-persistent buffer names copied, so that the entries, not just the
 containers, are restored) and every parameter's and
-buffer's tensor (``Module.to`` swaps ``param.data`` in place). ``restore()`` puts all of it back
+buffer's tensor (``Module.to`` swaps ``param.data`` in place) with its own attributes (FSDP2
+marks parameters with ``_fsdp_orig_uid``). ``restore()`` puts all of it back
 and forgets the composable-API state (``fully_shard``, ``checkpoint``) that torch keeps for the
 modules outside them, so that the restored model can be prepared again.
 
@@ -47,6 +48,7 @@ class _TensorRecord:
     tensor: torch.Tensor
     data: torch.Tensor  # an alias of the original data (no copy)
     requires_grad: bool
+    attrs: dict[str, Any]  # the tensor's own attributes (FSDP2 adds _fsdp_orig_uid)
 
 
 def _composable_states() -> Any:
@@ -80,7 +82,7 @@ class Rollback:
             )
             for t in (*module._parameters.values(), *module._buffers.values()):
                 if t is not None and id(t) not in tensors:
-                    tensors[id(t)] = _TensorRecord(t, t.data, t.requires_grad)
+                    tensors[id(t)] = _TensorRecord(t, t.data, t.requires_grad, dict(vars(t)))
         return cls(tuple(modules), tuple(tensors.values()))
 
     def restore(self) -> None:
@@ -106,3 +108,6 @@ class Rollback:
                     t.data = data
                 if t.requires_grad != kept.requires_grad:
                     t.requires_grad_(kept.requires_grad)
+                if vars(t) != kept.attrs:
+                    vars(t).clear()
+                    vars(t).update(kept.attrs)

@@ -25,6 +25,28 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return hasattr(p, "to_local") and hasattr(p, "placements")
 
 
+def param_attributes(module: nn.Module, *, recurse: bool = True) -> dict[str, dict[str, Any]]:
+    """Attributes users set on ``module``'s parameters (``p.no_decay = True``), by name."""
+    return {
+        name: {k: v for k, v in vars(p).items() if not k.startswith("_fsdp")}
+        for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)
+        if vars(p)
+    }
+
+
+def carry_param_attributes(
+    module: nn.Module, attrs: dict[str, dict[str, Any]], *, recurse: bool = True
+) -> None:
+    """Put ``param_attributes`` back on the parameters that now hold those names: FSDP2 and
+    ``to_empty`` replace parameters by new ``nn.Parameter`` objects, which have none."""
+    if not attrs:
+        return
+    for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        for key, value in attrs.get(name, {}).items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+
+
 @step("shard")
 def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "shard")
@@ -46,6 +68,7 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
         state = with_handles(state, rank0_full_state=full)
 
     named = dict(model.named_parameters(remove_duplicate=False))
+    attrs = param_attributes(model)
     ignored = {id(named[n]): named[n] for spec in plan.ignored for n in spec.names}
     unit_of = {id(named[spec.fqn]): u.fqn for u in plan.units for spec in u.params}
     policy = core.precision
@@ -73,6 +96,8 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
             offload_policy=offload,
             ignored_params=set(skip.values()) or None,
         )
+
+    carry_param_attributes(model, attrs)
 
     def fsdp(fqn: str) -> FSDPModule:
         m = model.get_submodule(fqn)

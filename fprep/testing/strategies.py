@@ -44,6 +44,7 @@ from fprep.config import (
     Sharding,
     StateDictType,
     Strategy,
+    wrap_class_names,
 )
 from fprep.planning import DEFAULT_TRANSITIONS, chain, plan
 from fprep.snapshot import (
@@ -472,8 +473,9 @@ def configs(
     (``reshard_after_forward`` ints divide the shard group, ``hsdp_shard_size`` divides the
     world, no CPU offload without sharding, no fp8 on CPU, comm hooks only under DDP, no sharded
     strategy for trees with scalar parameters, ``sync_module_states`` only with real weights or
-    a ``param_init_fn``). Trees fprep refuses whatever the config (already prepared, device
-    maps, modules without ``reset_parameters`` on meta) stay refused.
+    a ``param_init_fn``, class wrap policies only naming classes the tree has). Trees fprep
+    refuses whatever the config (already prepared, device maps, modules without
+    ``reset_parameters`` on meta) stay refused.
     """
     unknown = set(fields) - _CONFIG_FIELDS
     if unknown:
@@ -560,12 +562,20 @@ def configs(
     sync_ok = not plannable or tree is None or not tree.is_meta or param_init_fn is not None
     sync = pick("sync_module_states", st.booleans() if sync_ok else st.just(False))
 
+    # A plan refuses a class policy naming a class the model does not have.
+    class_choices = [
+        c
+        for c in WRAP_CLASS_CHOICES
+        if not plannable
+        or tree is None
+        or all(any(m.is_a(n) for m in tree.modules) for n in wrap_class_names(c))
+    ]
     wrap = pick(
         "wrap",
         st.one_of(
             st.none(),
             st.integers(1, 64),
-            st.sampled_from(WRAP_CLASS_CHOICES),
+            st.sampled_from(class_choices) if class_choices else st.none(),
             st.sampled_from(WRAP_PREDICATES),
         ),
     )

@@ -34,6 +34,11 @@ def _resolve(requested: str, world: int, device_type: str) -> tuple[ResolvedStra
 
 
 def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
+    """One precision setting, the same numerics under every strategy: the forward runs under
+    autocast everywhere, so the ops autocast keeps in float32 (softmax, norms, losses) run in
+    float32 also when FSDP2 already holds the parameters in low precision (a model computing
+    its loss inside forward, as transformers' BERT, T5 or ViT do, would otherwise compute it in
+    bf16 under fsdp only); outputs are float32 everywhere."""
     cfg = state.config
     if cfg.precision == "no":
         return PrecisionPolicy()
@@ -43,6 +48,7 @@ def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
             param_dtype=low,
             reduce_dtype=cfg.reduce_dtype or "float32",
             output_dtype="float32",
+            autocast_dtype=low,
             grad_scaling=cfg.precision == "fp16",
             fp8=cfg.precision == "fp8",
         )
@@ -73,9 +79,46 @@ def _check_not_prepared(state: PrepState, ignored: IgnoredState) -> None:
             )
 
 
+def _rank_device(state: PrepState, device: DeviceState) -> str | None:
+    """The device this rank must train on, whatever the parameters say: ``PrepConfig.device``,
+    else this process's accelerator (``None`` on a CPU-only process)."""
+    topo = state.topology
+    if state.config.device is not None:
+        return normalize_device(state.config.device, topo.local_rank)
+    if device.device_type == "cpu" or topo.device_type == "cpu":
+        return None
+    return normalize_device(topo.device_type, topo.local_rank)
+
+
+def _check_quantized_placement(state: PrepState, device: DeviceState) -> None:
+    """An 8/4-bit model cannot be moved, so it must already sit on this rank's device. The
+    compute device follows the parameters, so compare with the rank's own device instead."""
+    tree, topo = state.tree, state.topology
+    bits = tree.quantization
+    own = _rank_device(state, device)
+    if bits is None or own is None:
+        return
+    where = [d for d in device.param_devices if d not in ("cpu", "meta")]
+    if tree.hf_device_map is not None:
+        # device maps name devices as an index ("0"), a type ("cuda") or both ("cuda:0")
+        where += [
+            f"{device.device_type}:{d}" if d.isdigit() else normalize_device(d, topo.local_rank)
+            for _, d in tree.hf_device_map
+            if d not in ("cpu", "disk")
+        ]
+    other = sorted({d for d in where if d != own})
+    if other:
+        raise DeviceError(
+            f"a model loaded in {bits} sits on {', '.join(other)} but this rank trains on {own}.",
+            subject="hf_device_map",
+            hint="Load it with device_map={'': <this rank's device index>}.",
+        )
+
+
 def _check_hf_loading(state: PrepState, strategy: str, device: DeviceState) -> None:
     tree = state.tree
     if tree.hf_device_map is None:
+        _check_quantized_placement(state, device)
         return
     devices = {d for _, d in tree.hf_device_map}
     if tree.quantization is not None:
@@ -95,20 +138,7 @@ def _check_hf_loading(state: PrepState, strategy: str, device: DeviceState) -> N
                 hint="Load it without offload (enough device memory for every layer).",
             )
         if len(devices) == 1:
-            only = next(iter(devices))
-            # device maps name devices as an index ("0"), a type ("cuda") or both ("cuda:0")
-            target = (
-                f"{device.device_type}:{only}"
-                if only.isdigit()
-                else normalize_device(only, state.topology.local_rank)
-            )
-            if target != device.compute_device and device.compute_device != "cpu":
-                raise DeviceError(
-                    f"a model loaded in {bits} sits on {target} but this rank trains on "
-                    f"{device.compute_device}.",
-                    subject="hf_device_map",
-                    hint="Load it with device_map={'': <this rank's device index>}.",
-                )
+            _check_quantized_placement(state, device)
         return
     if len(devices) > 1 and strategy != "none":
         raise ModelError(
@@ -117,6 +147,37 @@ def _check_hf_loading(state: PrepState, strategy: str, device: DeviceState) -> N
             subject="hf_device_map",
             hint="Run a single process, or load the model without device_map.",
         )
+
+
+def _check_root_forward(state: PrepState, strategy: str) -> None:
+    """FSDP and DDP run the root's forward: a container without one cannot be their root."""
+    root = state.tree.root
+    if strategy in ("fsdp", "hsdp", "ddp") and not root.can_run_forward:
+        raise ModelError(
+            f"the model is a {root.class_name}, a container without a forward; strategy "
+            f"{strategy!r} wraps the model and runs its forward.",
+            subject="model",
+            hint="Prepare the module that runs the forward (one that holds this "
+            f"{root.class_name}), or prepare each module inside it on its own.",
+        )
+
+
+def _check_not_compiled(state: PrepState) -> None:
+    """Compiling a module the user already compiled nests two compilations (and ignores one
+    set of options): refused rather than skipped, so that which options apply is never a
+    guess."""
+    if state.config.compile == "none":
+        return
+    for m in state.tree.modules:
+        if m.is_compiled:
+            how = "torch.compile" if m.compiled is False else ".compile()"
+            raise ConfigError(
+                f"module {m.fqn or '<root>'!r} is already compiled ({how}), and "
+                f"compile={state.config.compile!r} would compile it again.",
+                subject="compile",
+                hint="Keep your compilation and set compile='none', or pass the model "
+                "uncompiled (for torch.compile(model): its ._orig_mod) and let fprep compile it.",
+            )
 
 
 def _no_effect_notes(state: PrepState, strategy: str, sharded: bool) -> tuple[str, ...]:
@@ -147,6 +208,8 @@ def init_core(state: PrepState) -> PrepState:
     strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
     notes: tuple[str, ...] = (note,) if note else ()
     _check_hf_loading(state, strategy, device)
+    _check_root_forward(state, strategy)
+    _check_not_compiled(state)
     sharded = strategy in ("fsdp", "hsdp")
 
     raf = cfg.effective_reshard_after_forward

@@ -14,6 +14,7 @@ from typing import cast
 
 from fprep.config import WrapPolicy, wrap_class_names
 from fprep.errors import ConfigError, ModelError, PrepError
+from fprep.policies import repeated_block_classes, used_by_parent_forward
 from fprep.sharding import shard_shape
 from fprep.snapshot import (
     ModuleInfo,
@@ -74,10 +75,12 @@ def _by_size(tree: ModuleTree, ignored: IgnoredState, min_params: int) -> set[st
     """FSDP's size policy: wrap a module once what is not yet wrapped below it reaches the size.
 
     ``ModuleList`` / ``ModuleDict`` without a forward are never wrapped, nor is a module that
-    would split a tied parameter from its other modules: their count carries on to the parent.
+    would split a tied parameter from its other modules, nor a module whose parameters its
+    parent's forward uses (``nn.MultiheadAttention``'s ``out_proj``): their count carries on to
+    the parent.
     """
     owned = _owned_numel(tree, ignored)
-    splitting = _tie_splitting_modules(tree, ignored)
+    splitting = _tie_splitting_modules(tree, ignored) | used_by_parent_forward(tree).keys()
     remaining: dict[str, int] = {}
     units: set[str] = set()
     for m in reversed(tree.modules):  # children before parents
@@ -109,6 +112,13 @@ def _by_predicate(
                 subject="wrap",
                 hint="A wrap callable receives a fprep.ModuleInfo and returns a bool.",
             ) from None
+        if not isinstance(chosen, bool):  # a tensor's truth value may raise, or mislead
+            raise ConfigError(
+                f"the wrap policy returned a {type(chosen).__qualname__} for module {m.fqn!r}, "
+                "not a bool.",
+                subject="wrap",
+                hint="A wrap callable receives a fprep.ModuleInfo and returns True or False.",
+            )
         if chosen:
             units.add(m.fqn)
     return units
@@ -122,6 +132,7 @@ def select_units(tree: ModuleTree, wrap: WrapPolicy, ignored: IgnoredState) -> t
         chosen = _by_size(tree, ignored, wrap)
     elif isinstance(wrap, tuple):
         names = wrap_class_names(wrap)
+        _check_classes_exist(tree, names)
         chosen = {
             m.fqn
             for m in tree.modules[1:]
@@ -129,6 +140,7 @@ def select_units(tree: ModuleTree, wrap: WrapPolicy, ignored: IgnoredState) -> t
         }
     else:
         chosen = _by_predicate(tree, ignored, cast(Callable[[ModuleInfo], bool], wrap))
+    inside = used_by_parent_forward(tree) if chosen else {}
     for m in tree.modules[1:]:
         if m.fqn in chosen and not m.can_run_forward:
             raise ConfigError(
@@ -138,7 +150,35 @@ def select_units(tree: ModuleTree, wrap: WrapPolicy, ignored: IgnoredState) -> t
                 subject="wrap",
                 hint=f"Wrap the modules inside {m.fqn!r} (e.g. their block class) instead.",
             )
+        if m.fqn in chosen and m.fqn in inside:
+            parent = tree.module(inside[m.fqn]) or tree.root
+            raise ConfigError(
+                f"the wrap policy selects {m.fqn!r}, a {m.class_name} inside "
+                f"{parent.fqn or '<root>'!r}, a {parent.class_name} whose forward uses its "
+                "parameters without calling it: as its own unit they would never be gathered.",
+                subject="wrap",
+                hint=f"Wrap {parent.fqn or 'the model'!r} (or a module around it) instead, or "
+                "narrow the policy so that it skips modules inside it.",
+            )
     return ("", *(m.fqn for m in tree.modules[1:] if m.fqn in chosen))
+
+
+def _check_classes_exist(tree: ModuleTree, names: tuple[str, ...]) -> None:
+    """A class policy naming no class of the model would silently make it one unit."""
+    for name in names:
+        if any(m.is_a(name) for m in tree.modules):
+            continue
+        blocks = repeated_block_classes(tree)
+        raise ConfigError(
+            f"the wrap policy names {name!r}, which matches no module of the model "
+            f"({tree.root.class_name}): the whole model would be one unit.",
+            subject="wrap",
+            hint=(
+                f"The model's repeated blocks are {', '.join(map(repr, blocks))}."
+                if blocks
+                else "Name the class of a submodule (see model.named_modules())."
+            ),
+        )
 
 
 def _unit_of(module: str, units: frozenset[str]) -> str:
@@ -181,6 +221,14 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
             "shard it.",
             subject=p.fqn,
             hint="Register it as a 1-element tensor (shape [1]), or add it to ignored_params.",
+        )
+    if shard is not None and not p.contiguous:
+        raise ModelError(
+            f"parameter {p.fqn!r} of shape {p.shape} is not contiguous (e.g. a channels_last "
+            "convolution weight); FSDP2 shards contiguous parameters only.",
+            subject=p.fqn,
+            hint="Call model.to(memory_format=torch.contiguous_format) before prepare (you may "
+            "keep channels_last inputs), or add it to ignored_params.",
         )
     local, padded = shard_shape(p.shape, *shard) if shard is not None else (p.shape, p.shape)
     return ShardSpec(
