@@ -226,8 +226,31 @@ def end_training(state: PrepState) -> bool:
     handles = handles_of(state)
     if not handles.owns_process_group or not _alive(handles.process_group):
         return False
+    world = dist.group.WORLD
+    barrier([world], handles.device, call="fprep.end_training")  # every rank is done with it
+    if dist.get_rank() == 0:
+        _forget_rendezvous()
+    barrier([world], handles.device, call="fprep.end_training")  # ... before anyone re-joins
     dist.destroy_process_group()
     return True
+
+
+def _forget_rendezvous() -> None:
+    """Delete the default group's keys from the rendezvous store.
+
+    The store outlives the group: torchrun's agent hosts it, and rank 0's server lives on while
+    anything (the old state, the old model) holds the old group. A new group after this one
+    reuses the same key names, so a rank joining it could read the old group's addresses before
+    rank 0 rewrote them and connect to sockets that are gone. Best effort: a store that cannot
+    list its keys is left as it is.
+    """
+    try:
+        store: Any = dist.distributed_c10d._get_default_store()  # PrefixStore("<n>/", ...)
+        outer = getattr(store, "underlying_store", store)  # PrefixStore("default_pg", ...)
+        for key in outer.list_keys():
+            outer.delete_key(key)
+    except (AttributeError, RuntimeError, NotImplementedError):  # pragma: no cover
+        pass
 
 
 __all__ = [
