@@ -179,8 +179,9 @@ class ReplacedParams:
         """A PrepareError if ``optimizer`` holds a parameter ``prepare`` replaced."""
         groups = optimizer.param_groups
         seen = self._checked.get(optimizer)
-        if seen is not None and len(seen) == len(groups):
-            for (params, n), group in zip(seen, groups, strict=True):
+        if seen is not None and len(seen) == len(groups):  # per step: keep this path short
+            for i, group in enumerate(groups):
+                params, n = seen[i]
                 current = group["params"]
                 if current is not params or len(current) != n:
                     break

@@ -210,10 +210,12 @@ def prepare(
         undo.restore()  # a step failed after others changed the model: put it back
         raise
     del undo
-    replaced = ReplacedParams.of(before, prepared)  # refused in optimizer_step's optimizers
-    state = with_handles(state, param_fqns_before=before, replaced_params=replaced)
     for i, (opt, fqns) in enumerate(recorded):
         rebind_optimizer(prepared, opt, fqns, i)
+    # Replaced parameters something still holds (an optimizer not passed here): refused by
+    # optimizer_step. Usually none are left, and then the check costs nothing.
+    replaced = ReplacedParams.of(before, prepared)
+    state = with_handles(state, param_fqns_before=before, replaced_params=replaced)
     return (state, prepared, *out)
 
 

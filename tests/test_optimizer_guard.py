@@ -89,11 +89,13 @@ def test_a_param_group_added_later_is_checked_again() -> None:
         fprep.optimizer_step(state, opt)
 
 
-def test_nothing_is_checked_when_prepare_replaced_nothing() -> None:
-    """A real model in one process keeps its parameters: no check, no per-step cost."""
-    model = nn.Linear(4, 1)
+@pytest.mark.parametrize("meta", [False, True])
+def test_nothing_is_checked_when_no_replaced_parameter_is_left(meta: bool) -> None:
+    """A real model in one process keeps its parameters; a meta model's optimizer passed to
+    prepare is rebound, and the old parameters are freed: no check, no per-step cost."""
+    model = meta_model() if meta else nn.Sequential(nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state, model = fprep.prepare(model, fprep.PrepConfig())
+    state, model, opt = fprep.prepare(model, fprep.PrepConfig(seed=0), opt)
     assert handles_of(state).replaced_params is None
-    fprep.backward(state, model, model(torch.ones(2, 4)).sum())
+    fprep.backward(state, model, loss(model))
     assert fprep.optimizer_step(state, opt)
