@@ -53,7 +53,7 @@ def optimizer_step(
     handles = handles_of(state)
     optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     replaced = handles.replaced_params
-    if replaced is not None:  # only after sharding or materialization: no cost otherwise
+    if replaced is not None:  # only while a replaced parameter is still held somewhere
         for i, opt in enumerate(optimizers):
             replaced.check(opt, i, "optimizer_step")
     scaler = handles.grad_scaler

@@ -160,9 +160,10 @@ class ReplacedParams:
 
     def __init__(self, names: WeakIdKeyDictionary) -> None:
         self.names: Mapping[Any, str] = names
-        self._checked: weakref.WeakKeyDictionary[
-            torch.optim.Optimizer, list[tuple[list[Any], int]]
-        ] = weakref.WeakKeyDictionary()
+        # id(optimizer) -> (weak reference to it, each group's params list and its length).
+        # Keyed by id, not a WeakKeyDictionary: the lookup runs every step, and this one makes
+        # no weak reference to do it. An entry goes when its optimizer does.
+        self._checked: dict[int, tuple[weakref.ref[Any], list[tuple[list[Any], int]]]] = {}
 
     @classmethod
     def of(cls, before: Mapping[Any, str], model: nn.Module) -> ReplacedParams | None:
@@ -178,21 +179,26 @@ class ReplacedParams:
     def check(self, optimizer: torch.optim.Optimizer, index: int, call: str) -> None:
         """A PrepareError if ``optimizer`` holds a parameter ``prepare`` replaced."""
         groups = optimizer.param_groups
-        seen = self._checked.get(optimizer)
-        if seen is not None and len(seen) == len(groups):  # per step: keep this path short
-            for i, group in enumerate(groups):
-                params, n = seen[i]
-                current = group["params"]
-                if current is not params or len(current) != n:
-                    break
-            else:
-                return
+        key = id(optimizer)
+        entry = self._checked.get(key)
+        if entry is not None and entry[0]() is optimizer:  # per step: keep this path short
+            seen = entry[1]
+            if len(seen) == len(groups):
+                for i, group in enumerate(groups):
+                    params, n = seen[i]
+                    current = group["params"]
+                    if current is not params or len(current) != n:
+                        break
+                else:
+                    return
         for g, group in enumerate(groups):
             for i, p in enumerate(group["params"]):
                 name = self.names.get(p)
                 if name is not None:
                     raise _stale(name, index, g, i, call)
-        self._checked[optimizer] = [(group["params"], len(group["params"])) for group in groups]
+        checked = self._checked
+        ref = weakref.ref(optimizer, lambda _: checked.pop(key, None))
+        self._checked[key] = (ref, [(group["params"], len(group["params"])) for group in groups])
 
 
 def _stale(name: str, index: int, g: int, i: int, call: str) -> PrepareError:
