@@ -23,6 +23,14 @@ from fprep.loop import accumulate, clip_grad_norm, gather_for_metrics, optimizer
 from fprep.memory import MemoryEstimate, estimate_memory
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
 from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
+from fprep.ranks import (
+    end_training,
+    is_main_process,
+    print_once,
+    reduce,
+    set_seed,
+    wait_for_everyone,
+)
 from fprep.snapshot import BufferInfo, ModuleInfo, ModuleTree, ParamInfo
 from fprep.state import (
     GroupSpec,
@@ -84,6 +92,7 @@ __all__ = [
     "chain",
     "clip_grad_norm",
     "default_steps",
+    "end_training",
     "estimate_memory",
     "export_full",
     "gather_for_metrics",
@@ -98,6 +107,7 @@ __all__ = [
     "init_runtime",
     "init_state_dict",
     "initial_state",
+    "is_main_process",
     "load",
     "optimizer_step",
     "pipeline",
@@ -105,8 +115,12 @@ __all__ = [
     "prepare",
     "prepare_data_loader",
     "prepare_optimizer",
+    "print_once",
+    "reduce",
     "save",
+    "set_seed",
     "step",
     "transition",
     "unwrap",
+    "wait_for_everyone",
 ]

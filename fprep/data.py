@@ -12,7 +12,9 @@ ranks is the dataset). ``prepare_data_loader`` builds a ``PreparedDataLoader`` �
   divide); otherwise each rank gets batches of the loader's batch size.
 * Shuffling is seeded from ``seed + epoch``; the epoch advances by itself at each new pass.
 * Resume: ``load_state_dict({"epoch": e, "batches": k})`` makes the next pass start at batch
-  ``k`` of epoch ``e`` without reading the skipped samples (for map-style datasets).
+  ``k`` of epoch ``e``: a map-style dataset without reading the skipped samples, an iterable
+  one by reading and dropping the items of the first ``k`` batches (it cannot seek) — they
+  are never collated, placed on the device or yielded.
 * The loader has its own generator, reseeded from ``(seed, epoch, rank)`` at each pass: starting
   a pass never draws from the global RNG (torch's DataLoader otherwise takes the workers' base
   seed from it, so a training loop's dropout would depend on how many passes began), and the
@@ -113,13 +115,24 @@ class ShardedIterable(IterableDataset[Any]):
 
     The last, incomplete run is filled by wrapping around to the first items when
     ``even_batches`` is on, split as it is when off, and dropped with ``drop_last``.
+
+    Run ``j`` is this rank's batch ``j``, so resuming at batch ``k`` (``skip_runs = k``) reads
+    and drops the first ``k`` runs' items — an iterable cannot seek — without collating,
+    placing or yielding them; the runs after them go to the workers in turn from the first, as
+    the loader asks for them. ``skip_runs`` holds for one pass: ``iter`` takes it and resets it
+    (in a worker, its own copy's), so the next pass starts at the beginning.
     """
 
     def __init__(self, dataset: IterableDataset[Any], spec: LoaderSpec) -> None:
         self.dataset = dataset
         self.spec = spec
+        self.skip_runs = 0
 
     def __iter__(self) -> Iterator[Any]:
+        skip, self.skip_runs = self.skip_runs, 0  # taken now: the generator below starts late
+        return self._items(skip)
+
+    def _items(self, skip: int) -> Iterator[Any]:
         spec = self.spec
         run_len = spec.world * spec.batch_size
         lo, hi = spec.rank * spec.batch_size, (spec.rank + 1) * spec.batch_size
@@ -133,10 +146,10 @@ class ShardedIterable(IterableDataset[Any]):
                 first.append(item)
             run.append(item)
             if len(run) == run_len:
-                if runs % workers == worker:
+                if runs >= skip and (runs - skip) % workers == worker:
                     yield from run[lo:hi]
                 run, runs = [], runs + 1
-        if not run or spec.drop_last or runs % workers != worker:
+        if not run or spec.drop_last or runs < skip or (runs - skip) % workers != worker:
             return
         if spec.even_batches:
             run = run + (first * (run_len // max(len(first), 1) + 1))[: run_len - len(run)]
@@ -206,12 +219,17 @@ class PreparedDataLoader(DataLoader[Any]):
         if isinstance(sampler, ShardedSampler):
             sampler.epoch = self.epoch
             sampler.skip_batches = self._resume_at
+        elif isinstance(self.dataset, ShardedIterable):
+            self.dataset.skip_runs = self._resume_at  # taken by this pass's iter(dataset)
         self.batches = self._resume_at
         self._resume_at = 0
         assert self.generator is not None
         self.generator.manual_seed(pass_seed(self.spec, self.epoch))
         non_blocking = bool(self.pin_memory)
-        for batch in super().__iter__():
+        batches = super().__iter__()  # starts the workers, with their copy of the dataset
+        if isinstance(self.dataset, ShardedIterable):
+            self.dataset.skip_runs = 0  # taken (or copied to the workers): this pass only
+        for batch in batches:
             self.batches += 1
             yield batch if self.device is None else to_device(batch, self.device, non_blocking)
         self.epoch += 1
@@ -222,9 +240,14 @@ class PreparedDataLoader(DataLoader[Any]):
         return {"epoch": self.epoch, "batches": self.batches}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Start the next pass at batch ``state["batches"]`` of epoch ``state["epoch"]``."""
         self.epoch = int(state["epoch"])
         self._resume_at = int(state["batches"])
         self.batches = self._resume_at
+        if isinstance(self.dataset, ShardedIterable) and self.persistent_workers:
+            # Persistent workers iterate their own copy of the dataset, made when they started:
+            # drop them (DataLoader's own handle), so the next pass starts workers that skip.
+            self._iterator = None
 
     @property
     def remainder(self) -> int:

@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.steps import handles_of
 from fprep.data import PreparedDataLoader
 from fprep.errors import PrepareError
+from fprep.ranks import all_gather, data_parallel_groups
 from fprep.state import PrepState, need
 
 
@@ -43,12 +43,19 @@ def optimizer_step(
 
     An fp16 step whose gradients overflowed is skipped by the scaler (and the scale lowered);
     the scheduler then stays where it is, so the learning-rate curve follows real steps.
+    An optimizer that still holds parameters ``prepare`` replaced (built before it and given to
+    neither ``prepare`` nor ``prepare_optimizer``) is refused with a PrepareError: it would
+    step tensors the model no longer uses.
     Several optimizers over one backward (say, one per parameter group kind) go in one call —
     ``optimizer_step(state, [opt_a, opt_b], [sched_a, sched_b])`` — so that fp16's scaler
     unscales all of them with the scale the loss was scaled by, then updates once.
     """
     handles = handles_of(state)
     optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    replaced = handles.replaced_params
+    if replaced is not None:  # only while a replaced parameter is still held somewhere
+        for i, opt in enumerate(optimizers):
+            replaced.check(opt, i, "optimizer_step")
     scaler = handles.grad_scaler
     if scaler is None:
         for opt in optimizers:
@@ -154,7 +161,10 @@ def clip_grad_norm(
     reduced across their mesh, replicated ones counted once. With fp16, pass the optimizer so
     the gradients are unscaled first.
     """
-    scaler = handles_of(state).grad_scaler
+    handles = handles_of(state)
+    if optimizer is not None and handles.replaced_params is not None:
+        handles.replaced_params.check(optimizer, 0, "clip_grad_norm")
+    scaler = handles.grad_scaler
     if scaler is not None:
         if optimizer is None:
             raise PrepareError(
@@ -200,42 +210,26 @@ def gather_for_metrics(
     process in the job. With a prepared loader using even batches, the samples that were
     repeated to even out the last batches are dropped, so metrics over an epoch count each
     dataset sample exactly once.
+
+    A 0-d tensor (a rank's loss, say) is one value per rank, not a batch: it comes back as a
+    1-d tensor of one entry per data-parallel rank, in rank order, never trimmed (``loader`` is
+    not used) — shape ``(1,)`` in one process, so the same code runs at any world size.
     """
-    core = need(state.core, "init_core", "gather_for_metrics")
-    if not core.is_distributed or not dist.is_initialized():
+    if tensor.dim() == 0:
+        tensor, loader = tensor.reshape(1), None
+    groups = data_parallel_groups(state, "fprep.gather_for_metrics")
+    if groups is None:
         return tensor
-    groups = _data_parallel_groups(state)
     size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    counts = [int(s.item()) for s in _all_gather(size, groups)]
+    counts = [int(s.item()) for s in all_gather(size, groups, call="fprep.gather_for_metrics")]
     longest = max(counts)
     padded = tensor
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         padded = torch.cat([tensor, pad])
-    parts = _all_gather(padded.contiguous(), groups)
+    parts = all_gather(padded.contiguous(), groups, call="fprep.gather_for_metrics")
     keep = _kept_counts(counts, loader, len(parts))
     return torch.cat([part[:k] for part, k in zip(parts, keep, strict=True)])
-
-
-def _data_parallel_groups(state: PrepState) -> list[Any]:
-    """The groups spanning the data-parallel ranks, outermost mesh dimension first."""
-    handles = handles_of(state)
-    mesh = handles.mesh
-    if mesh is not None:
-        return [mesh.get_group(dim) for dim in range(mesh.ndim)]
-    return [handles.process_group]
-
-
-def _all_gather(tensor: torch.Tensor, groups: list[Any]) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (the same shape on each), in row-major order over ``groups``:
-    gathered along the innermost group first, then each outer one."""
-    parts = [tensor]
-    for group in reversed(groups):
-        stacked = torch.stack(parts)
-        out = [torch.empty_like(stacked) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, stacked, group=group)
-        parts = [p for o in out for p in o.unbind(0)]
-    return parts
 
 
 def _kept_counts(counts: list[int], loader: PreparedDataLoader | None, world: int) -> list[int]:

@@ -6,10 +6,17 @@ parameter's canonical FQN before any effect (``optimizer_fqns``, which also refu
 that are not the model's) and afterwards points every param group at the new parameters
 (``rebind_optimizer``), keeping hyperparameters and moving existing state, sharded like the
 parameter it belongs to.
+
+An optimizer built before ``prepare`` and given to neither ``prepare`` nor ``prepare_optimizer``
+still holds the replaced parameters: it steps tensors the model no longer uses, and the weights
+never change. ``ReplacedParams`` remembers what ``prepare`` replaced, so that the loop helpers
+refuse such an optimizer (once per optimizer; the verdict is cached until its param groups
+change).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -140,3 +147,66 @@ def rebind_optimizer(
                 optimizer.state[new] = {k: _shard_like(v, old, new) for k, v in entries.items()}
             new_params.append(new)
         group["params"] = new_params
+
+
+class ReplacedParams:
+    """The parameters ``prepare`` replaced (sharding, meta-device materialization, module swaps),
+    held weakly, by canonical FQN; and the optimizers already found free of them.
+
+    ``check`` runs once per optimizer: the verdict is cached (weakly, per optimizer) with the
+    identity and length of each param group's ``params`` list, and re-checked when those change
+    (a group added, a list replaced or resized, as ``prepare_optimizer`` does).
+    """
+
+    def __init__(self, names: WeakIdKeyDictionary) -> None:
+        self.names: Mapping[Any, str] = names
+        # id(optimizer) -> (weak reference to it, each group's params list and its length).
+        # Keyed by id, not a WeakKeyDictionary: the lookup runs every step, and this one makes
+        # no weak reference to do it. An entry goes when its optimizer does.
+        self._checked: dict[int, tuple[weakref.ref[Any], list[tuple[list[Any], int]]]] = {}
+
+    @classmethod
+    def of(cls, before: Mapping[Any, str], model: nn.Module) -> ReplacedParams | None:
+        """What of ``before`` (the parameters by name before ``prepare``) ``model`` no longer
+        has; ``None`` when nothing was replaced (no check is then needed)."""
+        current = {id(p) for p in model.parameters()}
+        names = WeakIdKeyDictionary()
+        for p, name in before.items():
+            if id(p) not in current:
+                names[p] = name
+        return cls(names) if len(names) else None
+
+    def check(self, optimizer: torch.optim.Optimizer, index: int, call: str) -> None:
+        """A PrepareError if ``optimizer`` holds a parameter ``prepare`` replaced."""
+        groups = optimizer.param_groups
+        key = id(optimizer)
+        entry = self._checked.get(key)
+        if entry is not None and entry[0]() is optimizer:  # per step: keep this path short
+            seen = entry[1]
+            if len(seen) == len(groups):
+                for i, group in enumerate(groups):
+                    params, n = seen[i]
+                    current = group["params"]
+                    if current is not params or len(current) != n:
+                        break
+                else:
+                    return
+        for g, group in enumerate(groups):
+            for i, p in enumerate(group["params"]):
+                name = self.names.get(p)
+                if name is not None:
+                    raise _stale(name, index, g, i, call)
+        checked = self._checked
+        ref = weakref.ref(optimizer, lambda _: checked.pop(key, None))
+        self._checked[key] = (ref, [(group["params"], len(group["params"])) for group in groups])
+
+
+def _stale(name: str, index: int, g: int, i: int, call: str) -> PrepareError:
+    return PrepareError(
+        f"{call}: optimizer {index} (param group {g}, position {i}) holds parameter {name!r} "
+        "as it was before prepare, which replaced it (sharding or meta-device "
+        "materialization): stepping it would never change the model's weights.",
+        subject=f"optimizer[{index}].param_groups[{g}].params[{i}]",
+        hint="Pass the optimizer to fprep.prepare(model, cfg, optimizer), or rebind it once "
+        "with fprep.prepare_optimizer(state, model, optimizer) (or build it after prepare).",
+    )

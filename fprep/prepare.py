@@ -54,7 +54,7 @@ from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
 from fprep.errors import ConfigError
-from fprep.optim import canonical_names_weak, optimizer_fqns, rebind_optimizer
+from fprep.optim import ReplacedParams, canonical_names_weak, optimizer_fqns, rebind_optimizer
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
@@ -215,9 +215,12 @@ def prepare(
         undo.restore()  # a step failed after others changed the model: put it back
         raise
     del undo
-    state = with_handles(state, param_fqns_before=before)
     for i, (opt, fqns) in enumerate(recorded):
         rebind_optimizer(prepared, opt, fqns, i)
+    # Replaced parameters something still holds (an optimizer not passed here): refused by
+    # optimizer_step. Usually none are left, and then the check costs nothing.
+    replaced = ReplacedParams.of(before, prepared)
+    state = with_handles(state, param_fqns_before=before, replaced_params=replaced)
     return (state, prepared, *out)
 
 

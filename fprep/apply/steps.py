@@ -66,6 +66,7 @@ class Handles:
     scaler_use: ScalerUse | None = None  # with grad_scaler
     rank0_full_state: Any = None  # rank 0's full state dict, held from shard to sync
     param_fqns_before: Any = None  # parameter before prepare (held weakly) -> canonical FQN
+    replaced_params: Any = None  # fprep.optim.ReplacedParams: what optimizers must not hold
 
 
 def handles_of(state: PrepState) -> Handles:
