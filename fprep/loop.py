@@ -27,6 +27,7 @@ from torch import nn
 
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.steps import handles_of
+from fprep.collectives import collective
 from fprep.data import PreparedDataLoader
 from fprep.errors import PrepareError
 from fprep.state import PrepState, need
@@ -206,13 +207,16 @@ def gather_for_metrics(
         return tensor
     groups = _data_parallel_groups(state)
     size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    counts = [int(s.item()) for s in _all_gather(size, groups)]
-    longest = max(counts)
-    padded = tensor
-    if tensor.shape[0] < longest:
-        pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-        padded = torch.cat([tensor, pad])
-    parts = _all_gather(padded.contiguous(), groups)
+    # per batch: no arrival wait, but a lost rank or a timeout is a CollectiveError naming it
+    group = groups[0] if len(groups) == 1 else None  # a mesh: the whole job
+    with collective("fprep.gather_for_metrics", state.config.timeout_s, group, arrive=False):
+        counts = [int(s.item()) for s in _all_gather(size, groups)]
+        longest = max(counts)
+        padded = tensor
+        if tensor.shape[0] < longest:
+            pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+            padded = torch.cat([tensor, pad])
+        parts = _all_gather(padded.contiguous(), groups)
     keep = _kept_counts(counts, loader, len(parts))
     return torch.cat([part[:k] for part, k in zip(parts, keep, strict=True)])
 

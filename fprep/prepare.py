@@ -16,9 +16,11 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
 12. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
 
 Everything the plan can reject is rejected before step 1, so a failed ``prepare`` leaves the
-model exactly as it was. A failure the plan cannot foresee (a user's ``reset_parameters``
-raising, a custom step failing, out of memory) rolls the model's structure back to what it was
-before step 1 (see ``fprep.apply.rollback``) and re-raises.
+model exactly as it was. Ranks agree on the plan first (``fprep.agreement``): a plan that fails
+on one rank raises the same error on every rank, before any effect. A failure the plan cannot
+foresee (a user's ``reset_parameters`` raising, a custom step failing, out of memory) rolls the
+model's structure back to what it was before step 1 (see ``fprep.apply.rollback``) and
+re-raises; a rank lost during the steps is a ``CollectiveError`` naming it.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
 import torch
-from returns.result import Failure
 from torch import nn
 from torch.utils.data import DataLoader
 
+from fprep.agreement import agree_on_plan
 from fprep.apply import (
     checkpoint,
     compile_regions,
@@ -49,6 +51,7 @@ from fprep.apply import (
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
+from fprep.collectives import collective
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
 from fprep.errors import ConfigError
@@ -181,10 +184,12 @@ def prepare(
                 subject="objects",
                 hint="Call fprep.prepare once per model: each call returns its own state.",
             )
+    topology = topology if topology is not None else Topology.from_env()
     result = plan(model, cfg, topology, process_group=process_group, mesh=mesh)
-    if isinstance(result, Failure):
-        raise result.failure()
-    state = result.unwrap()
+    # Ranks may plan differently (real weights on rank 0, meta elsewhere): all learn every
+    # rank's outcome before any effect, and raise the same error (one store exchange).
+    timeout_s = cfg.timeout_s if isinstance(cfg, PrepConfig) else PrepConfig().timeout_s
+    state = agree_on_plan(result, topology, timeout_s, process_group=process_group, mesh=mesh)
     # Sharding and meta-device materialization replace Parameter objects: record what each
     # optimizer holds by name now (refusing foreign parameters before any effect) and point it
     # at the new parameters afterwards, so that an optimizer built before prepare still trains.
@@ -204,11 +209,13 @@ def prepare(
     ]
     before = canonical_names_weak(model)
     undo = Rollback.of(model)
-    try:
-        state, prepared = run(state, model)
-    except BaseException:
-        undo.restore()  # a step failed after others changed the model: put it back
-        raise
+    # A lost rank (or a backend timeout) in a step's collectives: a CollectiveError naming it.
+    with collective("fprep.prepare", state.config.timeout_s, process_group, arrive=False):
+        try:
+            state, prepared = run(state, model)
+        except BaseException:
+            undo.restore()  # a step failed after others changed the model: put it back
+            raise
     del undo
     state = with_handles(state, param_fqns_before=before)
     for i, (opt, fqns) in enumerate(recorded):

@@ -146,7 +146,11 @@ def save(
         _discard(tmp, group)
         raise unwrap_dcp_error(e) from None
     del tensors
-    gathered = group.all_gather((dict(writer.files), record))
+    try:
+        gathered = group.all_gather((dict(writer.files), record))
+    except BaseException:  # a rank lost after writing: leave no temp dir behind
+        _discard(tmp, group)
+        raise
     published: Path | None = None
     error = None
     if group.rank == 0:
