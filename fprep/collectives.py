@@ -17,7 +17,8 @@ a collective that fails (a peer killed, a backend timeout) becomes a ``Collectiv
 the call and the ranks that no longer answer a short store probe, chained to torch's error.
 
 ``arrive=False`` skips the arrival wait, for calls made every step (a gradient all-reduce): no
-store traffic unless a collective fails, when the same probe names the missing ranks.
+store traffic and no bookkeeping unless a collective fails, when the same probe names the
+missing ranks (the ranks that failed in the same call meet under the same tag).
 
 The first contact of a launch (``first_contact``, used by ``connect`` and by ``prepare``'s plan
 agreement) waits at most ``min(timeout_s, FIRST_CONTACT_S)`` for every rank to reach the
@@ -151,18 +152,19 @@ def collective(
 ) -> Iterator[None]:
     """Run the block as fprep call ``call`` over ``group`` (default: the default group).
 
-    Every rank of the group must enter it. See the module docs for what is checked. With
-    ``arrive=False`` the group may also be created inside the block (``prepare``'s connect).
+    Every rank of the group must enter it; ``timeout_s`` bounds the arrival wait (the group's
+    own timeout bounds its collectives). See the module docs. With ``arrive=False`` the group
+    may also be created inside the block (``prepare``'s connect).
     """
-    site = Site.of(call, group) if (arrive or dist.is_initialized()) else None
-    if arrive and site is not None:
+    site = Site.of(call, group) if arrive else None  # arrive=False: nothing until a failure
+    if site is not None:
         site.arrive(timeout_s)
     try:
         yield
     except Exception as e:
         if not is_collective_failure(e):
             raise
-        site = site or Site.of(call, group)  # the group may have been created in the block
+        site = site or Site.of(call, group)  # (the group may even have been created in the block)
         if site is None:
             raise
         lost = site.probe(min(timeout_s, PROBE_S))

@@ -1,0 +1,129 @@
+"""No fprep collective hangs without a word (real gloo process groups, ``timeout_s`` = 3 s).
+
+A collective called on some ranks only, a launch whose peers never come, ranks that plan
+differently and a rank killed mid-save each end in a ``PrepError`` on every rank still alive,
+naming the call and the ranks, within ``timeout_s`` plus a margin; nothing is left waiting.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import _collective_workers as W
+import pytest
+import torch.distributed as dist
+
+from fprep.collectives import FIRST_CONTACT_S, PROBE_S, collective, exchange
+from fprep.errors import CollectiveError
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
+]
+
+#: Scheduling slack on two shared cores, beyond the time the error is designed to take.
+MARGIN_S = 4.0
+
+
+def _failed(out: Any, cls: str = "CollectiveError") -> dict[str, Any]:
+    assert isinstance(out, dict), out  # a string is a traceback or an exit code
+    assert out["error"] == cls, out
+    return out
+
+
+def test_save_on_rank_0_only_names_rank_1_and_leaves_no_temp_dir(tmp_path: Path) -> None:
+    results = W.spawn(W.save_on_rank0_only, 2, str(tmp_path))
+    assert results[1] == {"error": None}  # alive, not calling: it just finishes
+    out = _failed(results[0])
+    assert (
+        "fprep.save is collective: call it on every rank; ranks [1] did not arrive"
+        in (out["message"])
+    )
+    assert out["subject"] == "fprep.save"
+    assert W.TIMEOUT_S <= out["seconds"] < W.TIMEOUT_S + MARGIN_S
+    assert out["left"] == []  # no .tmp-* directory
+
+
+def test_unwrap_on_rank_0_only_names_rank_1() -> None:
+    results = W.spawn(W.unwrap_on_rank0_only, 2)
+    assert results[1] == {"error": None}
+    out = _failed(results[0])
+    assert "fprep.unwrap is collective" in out["message"]
+    assert "ranks [1] did not arrive within 3 s" in out["message"]
+    assert W.TIMEOUT_S <= out["seconds"] < W.TIMEOUT_S + MARGIN_S
+
+
+def test_launch_without_peer_fails_at_first_contact() -> None:
+    """WORLD_SIZE=2 but only rank 0 runs: named within min(timeout_s, FIRST_CONTACT_S)."""
+    out = _failed(W.spawn(W.prepare_without_peer, 2, ranks=[0])[0])
+    assert "ranks [1] did not join at 127.0.0.1:" in out["message"]
+    assert W.TIMEOUT_S <= out["seconds"] < W.TIMEOUT_S + MARGIN_S
+
+
+def test_launch_without_rank_0_names_its_store() -> None:
+    """Only rank 1 runs: it cannot reach rank 0's store (the client retries once: 2 x limit)."""
+    out = _failed(W.spawn(W.prepare_without_peer, 2, ranks=[1])[1])
+    assert "rank 1 could not reach rank 0's store at 127.0.0.1:" in out["message"]
+    assert out["cause"] == "DistNetworkError"
+    assert out["seconds"] < 2 * W.TIMEOUT_S + MARGIN_S
+
+
+def test_plan_failing_on_one_rank_fails_alike_on_every_rank_before_any_effect() -> None:
+    results = W.spawn(W.plans_differ, 2)
+    outs = [_failed(results[r], "ModelError") for r in (0, 1)]
+    assert outs[0]["message"] == outs[1]["message"]
+    assert outs[0]["subject"] == outs[1]["subject"] == "leaf"
+    assert outs[0]["message"].startswith("planning failed on rank 1: module 'leaf' (Leaf)")
+    assert all(o["unchanged"] and not o["group_created"] for o in outs)
+    assert outs[1]["cause"] == "ModelError"  # rank 1's own error, chained
+
+
+def test_plan_failing_alike_keeps_its_own_error() -> None:
+    results = W.spawn(W.plans_fail_alike, 2)
+    outs = [_failed(results[r], "IgnoredStateError") for r in (0, 1)]
+    assert outs[0] == {**outs[1], "seconds": outs[0]["seconds"]}
+    assert outs[0]["message"].startswith("ignored_modules entry 'nope' is not a module")
+
+
+def test_rank_killed_mid_save_is_named_on_the_survivor(tmp_path: Path) -> None:
+    results = W.spawn(W.killed_mid_save, 2, str(tmp_path))
+    assert results[1] == "exit -9"
+    out = _failed(results[0])
+    assert out["message"].startswith("fprep.save failed in a collective: ranks [1] did not answer")
+    assert out["cause"] == "RuntimeError"  # gloo's error, chained
+    assert out["seconds"] < min(W.TIMEOUT_S, PROBE_S) + MARGIN_S
+    assert out["left"] == []
+
+
+def test_guard_lets_every_rank_through() -> None:
+    """save, load and unwrap on every rank: no error, and no wait beyond the work itself."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        results = W.spawn(W.save_then_load, 2, root)
+    for r in (0, 1):
+        assert results[r]["error"] is None, results[r]
+        assert results[r]["seconds"] < W.TIMEOUT_S
+
+
+# -- single process: the guard is free when nobody else takes part ----------------------------
+def test_single_process_runs_the_block_as_it_is() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="mine"), collective("fprep.test", 0.1):
+        raise ValueError("mine")  # not a collective failure: passed through unchanged
+
+
+def test_exchange_times_out_naming_missing_ranks() -> None:
+    store = dist.HashStore()
+    with pytest.raises(CollectiveError, match=r"ranks \[1, 2\] did not arrive within 0.2 s"):
+        exchange("fprep.test", store, "t", 0, [0, 1, 2], {"ok": True}, 0.2)
+    store.set("fprep/u/x/1", json.dumps("b"))
+    assert exchange("fprep.test", store, "u", 0, [0, 1], "a", 1.0) == ["a", "b"]
+
+
+def test_first_contact_limit_is_documented() -> None:
+    text = Path(__file__).parents[1].joinpath("docs", "training.md").read_text()
+    assert f"{FIRST_CONTACT_S:g} s" in text
