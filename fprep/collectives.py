@@ -196,7 +196,8 @@ class Site:
     def of(cls, call: str, group: Any) -> Site | None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        group = dist.group.WORLD if group is None else group
+        if group is None or dist.get_world_size(group) == dist.get_world_size():
+            group = dist.group.WORLD  # (a mesh's group over every rank): one count for all calls
         store = _store_of(group)
         if store is None or dist.get_world_size(group) == 1:
             return None
@@ -212,12 +213,7 @@ class Site:
                 ) from None
             raise
         except (RuntimeError, ValueError) as e:  # the store's host (rank 0's process) is gone
-            raise CollectiveError(
-                f"{self.call}: the job's store (hosted by rank 0) cannot be reached: "
-                f"{_first_line(e)}",
-                subject=self.call,
-                hint="Rank 0 has probably exited or crashed; see its log.",
-            ) from e
+            raise _store_gone(self.call, e) from e
         # Every rank has passed its previous arrival: drop ours, so keys do not pile up.
         previous = _arrivals.get(self.group)
         if previous is not None:
@@ -280,7 +276,9 @@ def first_contact(
     tag = f"contact/{int(store.add(f'{_PREFIX}contact/count/{rank}', 1))}"
     try:
         arrive(store, call, tag, rank, list(range(world_size)), limit)
-    except CollectiveError as e:
+    except (RuntimeError, ValueError) as e:
+        if not isinstance(e, CollectiveError):
+            raise _store_gone(call, e) from e
         raise CollectiveError(
             e.message.replace("did not arrive", f"did not join at {host}:{port}"),
             subject=e.subject,
@@ -305,12 +303,26 @@ def exchange(
     """Every rank's ``value`` (JSON data: the store is a network service, nothing is unpickled)
     in the order of ``ranks``; ``index`` is this rank's position there."""
     keys = [f"{_PREFIX}{tag}/x/{i}" for i in range(len(ranks))]
-    store.set(keys[index], json.dumps(value))
-    if not _wait(store, keys, timeout_s):
+    try:
+        store.set(keys[index], json.dumps(value))
+        arrived = _wait(store, keys, timeout_s)
+        missing = [] if arrived else _missing(store, keys, ranks)
+        values = [json.loads(bytes(v)) for v in store.multi_get(keys)] if arrived else []
+    except (RuntimeError, ValueError) as e:
+        raise _store_gone(call, e) from e
+    if missing:
         raise CollectiveError(
-            f"{call} is collective: call it on every rank; ranks "
-            f"{_missing(store, keys, ranks)} did not arrive within {timeout_s:g} s.",
+            f"{call} is collective: call it on every rank; ranks {missing} did not arrive "
+            f"within {timeout_s:g} s.",
             subject=call,
             hint=f"Call {call} on every rank.",
         )
-    return [json.loads(bytes(v)) for v in store.multi_get(keys)]
+    return values
+
+
+def _store_gone(call: str, error: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"{call}: the job's store (hosted by rank 0) cannot be reached: {_first_line(error)}",
+        subject=call,
+        hint="Rank 0 has probably exited or crashed; see its log.",
+    )

@@ -183,3 +183,11 @@ def save_then_load(root: str) -> dict[str, Any]:
             fprep.unwrap(state, model),
         )
     )
+
+
+def calls_differ(root: str) -> dict[str, Any]:
+    """Rank 0 saves while rank 1 unwraps: both learn it at once."""
+    state, model = _prepared()
+    if int(os.environ["RANK"]) == 0:
+        return _outcome(lambda: fprep.save(root, state, model, step=1))
+    return _outcome(lambda: fprep.unwrap(state, model))

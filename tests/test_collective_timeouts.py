@@ -56,6 +56,20 @@ def test_unwrap_on_rank_0_only_names_rank_1() -> None:
     assert W.TIMEOUT_S <= out["seconds"] < W.TIMEOUT_S + MARGIN_S
 
 
+def test_ranks_in_different_calls_name_each_other_at_once(tmp_path: Path) -> None:
+    results = W.spawn(W.calls_differ, 2, str(tmp_path))
+    save, unwrap = _failed(results[0]), _failed(results[1])
+    assert (
+        "ranks [1] arrived at another call instead (rank 1 called fprep.unwrap)"
+        in (save["message"])
+    )
+    assert (
+        "ranks [0] arrived at another call instead (rank 0 called fprep.save)"
+        in (unwrap["message"])
+    )
+    assert max(save["seconds"], unwrap["seconds"]) < W.TIMEOUT_S
+
+
 def test_launch_without_peer_fails_at_first_contact() -> None:
     """WORLD_SIZE=2 but only rank 0 runs: named within min(timeout_s, FIRST_CONTACT_S)."""
     out = _failed(W.spawn(W.prepare_without_peer, 2, ranks=[0])[0])
