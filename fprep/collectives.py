@@ -234,7 +234,7 @@ def _first_line(error: BaseException) -> str:
 
 
 # -- first contact: before any process group exists ----------------------------------------------
-_contacts: dict[tuple[str, int, int, int], tuple[Any, str]] = {}
+_contacts: dict[tuple[str, int, int, int], Any] = {}
 
 
 def first_contact(
@@ -249,13 +249,35 @@ def first_contact(
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     key = (host, port, rank, world_size)
-    if key in _contacts:
-        return _contacts[key]
     limit = min(timeout_s, FIRST_CONTACT_S)
+    store = _contacts.get(key)
+    if store is None:
+        store = _connect(call, host, port, rank, world_size, limit)
+        _contacts[key] = store
+    # Each contact (a prepare that failed is tried again) counts, so that it meets under its
+    # own keys.
+    tag = f"contact/{int(store.add(f'{_PREFIX}contact/count/{rank}', 1))}"
+    try:
+        arrive(store, call, tag, rank, list(range(world_size)), limit)
+    except (RuntimeError, ValueError) as e:
+        if not isinstance(e, CollectiveError):
+            raise _store_gone(call, e) from e
+        raise CollectiveError(
+            e.message.replace("did not arrive", f"did not join at {host}:{port}"),
+            subject=e.subject,
+            hint=f"Start all {world_size} ranks (WORLD_SIZE={world_size}) with the same "
+            "MASTER_ADDR / MASTER_PORT. The first contact waits at most "
+            f"min(PrepConfig.timeout_s, {FIRST_CONTACT_S:g}) s.",
+        ) from None
+    return store, tag
+
+
+def _connect(call: str, host: str, port: int, rank: int, world_size: int, limit: float) -> Any:
+    """The launcher's store: hosted here on rank 0 (unless torchrun's agent hosts it)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
     start = time.monotonic()
     try:
-        store = TCPStore(
+        return TCPStore(
             host,
             port,
             world_size,
@@ -272,29 +294,12 @@ def first_contact(
             hint="Start every rank (rank 0 hosts the store) with the same MASTER_ADDR and "
             "MASTER_PORT; check that rank 0 is running and the port is reachable.",
         ) from e
-    # A second prepare after a failed one meets the same store: count this rank's contacts.
-    tag = f"contact/{int(store.add(f'{_PREFIX}contact/count/{rank}', 1))}"
-    try:
-        arrive(store, call, tag, rank, list(range(world_size)), limit)
-    except (RuntimeError, ValueError) as e:
-        if not isinstance(e, CollectiveError):
-            raise _store_gone(call, e) from e
-        raise CollectiveError(
-            e.message.replace("did not arrive", f"did not join at {host}:{port}"),
-            subject=e.subject,
-            hint=f"Start all {world_size} ranks (WORLD_SIZE={world_size}) with the same "
-            "MASTER_ADDR / MASTER_PORT. The first contact waits at most "
-            f"min(PrepConfig.timeout_s, {FIRST_CONTACT_S:g}) s.",
-        ) from None
-    _contacts[key] = (store, tag)
-    return store, tag
 
 
 def take_contact(rank: int, world_size: int) -> Any:
     """The store ``first_contact`` made for this launch, handed over (None if there is none)."""
     host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
-    entry = _contacts.pop((host, port, rank, world_size), None)
-    return None if entry is None else entry[0]
+    return _contacts.pop((host, port, rank, world_size), None)
 
 
 def exchange(

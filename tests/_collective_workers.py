@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,30 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fprep
-from fprep.testing.distributed import _worker, free_port
+from fprep.testing.distributed import free_port
 
 TIMEOUT_S = 3.0  # PrepConfig.timeout_s in these tests: short, so that failures come fast
+
+
+def _rank(fn: Any, rank: int, world_size: int, port: int, results: Any, args: Any) -> None:
+    """One rank, as torchrun would start it. It exits as soon as its result is sent: tearing a
+    process group down after its peer was killed can block for many seconds."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def spawn(fn: Any, world_size: int, *args: Any, ranks: Any = None, timeout_s: float = 90.0) -> Any:
@@ -35,7 +57,7 @@ def spawn(fn: Any, world_size: int, *args: Any, ranks: Any = None, timeout_s: fl
     port = free_port()
     started = list(range(world_size)) if ranks is None else list(ranks)
     procs = {
-        r: ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args), daemon=True)
+        r: ctx.Process(target=_rank, args=(fn, r, world_size, port, results, args), daemon=True)
         for r in started
     }
     for p in procs.values():
@@ -157,12 +179,29 @@ def plans_fail_alike() -> dict[str, Any]:
     return _outcome(lambda: fprep.prepare(Net(), _cfg(ignored_modules=("nope",))))
 
 
-def killed_mid_save(root: str) -> dict[str, Any]:
-    """Rank 1 is killed (SIGKILL) while writing its shards; rank 0 must not wait for it."""
+def plans_differ_then_alike_then_succeed(root: str) -> dict[str, Any]:
+    """Three prepares in one launch (the failed ones leave it able to try again), then save,
+    load and unwrap on every rank: the guards let the normal path through."""
+    out = {"differ": plans_differ(), "alike": plans_fail_alike()}
+    state, model = _prepared()
+    out["group_created"] = torch.distributed.is_initialized()
+    out["ok"] = _outcome(
+        lambda: (
+            fprep.save(root, state, model, step=1),
+            fprep.load(root, state, model),
+            fprep.unwrap(state, model),
+        )
+    )
+    return out
+
+
+def killed_mid_save(root: str, victim: int) -> dict[str, Any]:
+    """Rank ``victim`` is killed (SIGKILL) while writing its shards; the other must not wait
+    for it (rank 0 hosts the store: the survivor then cannot even reach it)."""
     from fprep.checkpoint import storage
 
     state, model = _prepared()
-    if int(os.environ["RANK"]) == 1:
+    if int(os.environ["RANK"]) == victim:
 
         def die(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -171,18 +210,6 @@ def killed_mid_save(root: str) -> dict[str, Any]:
     out = _outcome(lambda: fprep.save(root, state, model, step=1))
     out["left"] = sorted(p.name for p in Path(root).iterdir()) if Path(root).exists() else []
     return out
-
-
-def save_then_load(root: str) -> dict[str, Any]:
-    """Every rank saves, loads and unwraps: the guard lets the normal path through."""
-    state, model = _prepared()
-    return _outcome(
-        lambda: (
-            fprep.save(root, state, model, step=1),
-            fprep.load(root, state, model),
-            fprep.unwrap(state, model),
-        )
-    )
 
 
 def calls_differ(root: str) -> dict[str, Any]:
