@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fprep
-from fprep.testing.distributed import free_port
+from fprep.testing.distributed import become_rank, free_port
 
 TIMEOUT_S = 3.0  # PrepConfig.timeout_s in these tests: short, so that failures come fast
 
@@ -30,15 +30,7 @@ TIMEOUT_S = 3.0  # PrepConfig.timeout_s in these tests: short, so that failures 
 def _rank(fn: Any, rank: int, world_size: int, port: int, results: Any, args: Any) -> None:
     """One rank, as torchrun would start it. It exits as soon as its result is sent: tearing a
     process group down after its peer was killed can block for many seconds."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
+    become_rank(rank, world_size, port)
     try:
         results.put((rank, True, fn(*args)))
     except BaseException:
