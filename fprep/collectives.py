@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
-from fprep.errors import CollectiveError, PrepError
+from fprep.errors import CollectiveError, PrepError, TopologyError
 
 #: The longest a launch waits for every rank to reach the launcher's store (seconds), unless
 #: ``PrepConfig.timeout_s`` is shorter. Documented in docs/training.md.
@@ -247,7 +247,7 @@ def first_contact(
     ranks that did not arrive (or rank 0's address when it cannot be reached). The store is
     kept for ``connect``'s ``init_process_group`` (``take_contact``): a port is bound once.
     """
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host, port = _address()
     key = (host, port, rank, world_size)
     limit = min(timeout_s, FIRST_CONTACT_S)
     store = _contacts.get(key)
@@ -296,9 +296,21 @@ def _connect(call: str, host: str, port: int, rank: int, world_size: int, limit:
         ) from e
 
 
+def _address() -> tuple[str, int]:
+    raw = os.environ["MASTER_PORT"]
+    try:
+        return os.environ["MASTER_ADDR"], int(raw)
+    except ValueError:
+        raise TopologyError(
+            f"Environment variable MASTER_PORT={raw!r} is not a port number.",
+            subject="MASTER_PORT",
+            hint="Set MASTER_PORT to the same free port (e.g. 29500) on every rank.",
+        ) from None
+
+
 def take_contact(rank: int, world_size: int) -> Any:
     """The store ``first_contact`` made for this launch, handed over (None if there is none)."""
-    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+    host, port = _address()
     return _contacts.pop((host, port, rank, world_size), None)
 
 

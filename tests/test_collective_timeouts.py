@@ -13,10 +13,12 @@ from typing import Any
 
 import _collective_workers as W
 import pytest
+import torch
 import torch.distributed as dist
 
+import fprep
 from fprep.collectives import FIRST_CONTACT_S, PROBE_S, collective, exchange
-from fprep.errors import CollectiveError
+from fprep.errors import CollectiveError, TopologyError
 
 pytestmark = [
     pytest.mark.slow,
@@ -140,3 +142,16 @@ def test_exchange_times_out_naming_missing_ranks() -> None:
 def test_first_contact_limit_is_documented() -> None:
     text = Path(__file__).parents[1].joinpath("docs", "training.md").read_text()
     assert f"{FIRST_CONTACT_S:g} s" in text
+
+
+def test_bad_master_port_is_named_before_any_effect(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "notaport"}.items():
+        monkeypatch.setenv(name, value)
+    model = W.Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TopologyError, match="MASTER_PORT='notaport' is not a port") as info:
+        fprep.prepare(model, fprep.PrepConfig(strategy="ddp", timeout_s=1))
+    assert info.value.subject == "MASTER_PORT"
+    assert not dist.is_initialized()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -51,17 +51,20 @@ def _ensure_default_group(state: PrepState) -> bool:
         )
     dev = need(state.device, "init_device", "connect")
     # Every rank met at the launcher's store first (prepare's plan agreement did, or we do it
-    # now), so a missing rank is named within seconds instead of init_process_group's silence.
+    # now): a missing rank is named within min(timeout_s, FIRST_CONTACT_S), not waited for in
+    # init_process_group's silence.
     store = take_contact(topo.rank, topo.world_size)
     if store is None:
         first_contact(topo.rank, topo.world_size, state.config.timeout_s)
         store = take_contact(topo.rank, topo.world_size)
+    timeout = datetime.timedelta(seconds=state.config.timeout_s)
+    store.set_timeout(timeout)  # as env:// would have made it (first contact waited less)
     dist.init_process_group(
         backend=dev.backend,
         store=store,
         rank=topo.rank,
         world_size=topo.world_size,
-        timeout=datetime.timedelta(seconds=state.config.timeout_s),
+        timeout=timeout,
     )
     return True
 
