@@ -26,6 +26,16 @@ launcher's store at ``MASTER_ADDR:MASTER_PORT`` and names the ranks that did not
 
 A single process, an uninitialized default group and torch's ``fake`` backend (no real peers)
 skip all of this: the block runs as it is.
+
+A new collective fprep function wraps its body once (not each tensor), naming itself as users
+call it and passing the group its collectives run over (None: the default group)::
+
+    def all_reduce_mean(state, tensor):
+        with collective("fprep.all_reduce_mean", state.config.timeout_s, group, arrive=False):
+            ...
+
+Use ``arrive=True`` (the default) for calls made now and then (a checkpoint, an evaluation),
+``arrive=False`` for calls made every step; a ``PrepError`` raised inside passes unchanged.
 """
 
 from __future__ import annotations

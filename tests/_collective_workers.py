@@ -210,3 +210,11 @@ def calls_differ(root: str) -> dict[str, Any]:
     if int(os.environ["RANK"]) == 0:
         return _outcome(lambda: fprep.save(root, state, model, step=1))
     return _outcome(lambda: fprep.unwrap(state, model))
+
+
+def killed_before_gather() -> dict[str, Any]:
+    """Rank 1 is killed after prepare; rank 0's per-batch gather (no arrival check) names it."""
+    state, _ = _prepared()
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: fprep.gather_for_metrics(state, torch.ones(2, 1)))

@@ -124,6 +124,18 @@ def test_rank_killed_mid_save_is_named_on_the_survivor(tmp_path: Path, victim: i
         assert out["left"] == []  # rank 0 removed the .tmp-* directory
 
 
+def test_rank_lost_before_a_per_batch_gather_is_named() -> None:
+    """gather_for_metrics runs every batch, so it skips the arrival check; a lost peer is still
+    named (after the failure, by the ranks' probe)."""
+    results = W.spawn(W.killed_before_gather, 2)
+    assert results[1] == "exit -9"
+    out = _failed(results[0])
+    assert out["message"].startswith(
+        "fprep.gather_for_metrics failed in a collective: ranks [1] did not answer"
+    )
+    assert out["seconds"] < min(W.TIMEOUT_S, PROBE_S) + MARGIN_S
+
+
 # -- single process: the guard is free when nobody else takes part ----------------------------
 def test_single_process_runs_the_block_as_it_is() -> None:
     assert not dist.is_initialized()
