@@ -1,7 +1,8 @@
 """Collectives that fail with a word instead of hanging.
 
 Every fprep call that talks to other ranks (``prepare``, ``save``, ``load``, ``export_full``,
-``unwrap``, ``gather_for_metrics``, the fast_ddp all-reduce, ...) runs inside ``collective``::
+``unwrap``, ``backward``, ``all_reduce_gradients``, ``clip_grad_norm``, ``gather_for_metrics``)
+runs inside ``collective``::
 
     from fprep.collectives import collective
 

@@ -168,9 +168,10 @@ def clip_grad_norm(
     sharded: list[Any] = [g for g in grads if _is_dtensor(g)]
     plain = [g for g in grads if not _is_dtensor(g)]
     norms: list[torch.Tensor] = []
-    if sharded:
-        total: Any = nn.utils.get_total_norm(sharded, norm_type)
-        norms.append(total.full_tensor() if _is_dtensor(total) else total)
+    if sharded:  # reduced across the mesh: a lost rank is a CollectiveError
+        with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
+            total: Any = nn.utils.get_total_norm(sharded, norm_type)
+            norms.append(total.full_tensor() if _is_dtensor(total) else total)
     if plain:
         norms.append(nn.utils.get_total_norm(plain, norm_type))
     if not norms:

@@ -242,12 +242,14 @@ def backward(state: PrepState, model: nn.Module, loss: Any) -> None:
     """``loss.backward()`` with the plan's extras: fp16 loss scaling, fast_ddp's all-reduce,
     and Gaudi's step mark in lazy mode."""
     handles = handles_of(state)
-    if handles.grad_scaler is not None:
-        handles.grad_scaler.scale(loss).backward()
-        if handles.scaler_use is not None:
-            handles.scaler_use.updated_since_backward = False
-    else:
-        loss.backward()
+    # DDP's and FSDP's gradient collectives run inside: a lost rank is a CollectiveError
+    with collective("fprep.backward", state.config.timeout_s, handles.process_group, arrive=False):
+        if handles.grad_scaler is not None:
+            handles.grad_scaler.scale(loss).backward()
+            if handles.scaler_use is not None:
+                handles.scaler_use.updated_since_backward = False
+        else:
+            loss.backward()
     runtime = state.runtime
     # (the plan is checked first: a missing attribute costs a microsecond on an nn.Module)
     if (

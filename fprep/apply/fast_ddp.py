@@ -58,9 +58,7 @@ def all_reduce_gradients(state: PrepState, model: nn.Module) -> None:
     ).to(device)
     flat.mul_(runtime.fast_ddp_scale)
     group = handles_of(state).process_group
-    with collective(
-        "fprep.backward (fast_ddp all-reduce)", state.config.timeout_s, group, arrive=False
-    ):
+    with collective("fprep.all_reduce_gradients", state.config.timeout_s, group, arrive=False):
         dist.all_reduce(flat, group=group)
     offset = 0
     for p in params:
