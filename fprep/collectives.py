@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -240,8 +241,10 @@ _arrivals: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _first_line(error: BaseException) -> str:
+    """torch's message, short: its first line, without gloo's source location and advice."""
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\] ", "", lines[0] if lines else "")
+    return f"{type(error).__name__}: {text.split(' This is typically caused by')[0]}"
 
 
 # -- first contact: before any process group exists ----------------------------------------------
