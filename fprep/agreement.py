@@ -8,7 +8,8 @@ strategy chosen, or the error's class, message, subject and hint -- over the job
 default process group's, or the launcher's at first contact: no backend collective, nothing
 pickled) and raises on every rank alike. A plan that failed the same way everywhere keeps its own
 error; otherwise every rank raises the first failing rank's error, its message prefixed with the
-rank. One store exchange per ``prepare``.
+rank. A rank whose plan failed raises its own error when the ranks cannot meet (the others name
+it as missing). One store exchange per ``prepare``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from returns.result import Failure, Result
 
 import fprep.errors as errors
 from fprep.collectives import Site, exchange, first_contact
-from fprep.errors import PrepareError, PrepError
+from fprep.errors import CollectiveError, PrepareError, PrepError
 from fprep.state import PrepState
 from fprep.topology import Topology
 
@@ -82,13 +83,19 @@ def agree_on_plan(
     """The planned state when every rank planned successfully and alike; else raise the same
     ``PrepError`` on every rank (see the module docs)."""
     mine = _outcome(result)
-    meeting = _meeting(topology, timeout_s, process_group, mesh)
+    try:
+        meeting = _meeting(topology, timeout_s, process_group, mesh)
+        if meeting is not None:
+            store, tag, index, ranks = meeting
+            outcomes = exchange(_CALL, store, tag, index, ranks, mine, timeout_s)
+    except CollectiveError:
+        if isinstance(result, Failure):  # the ranks did not meet, but this one's plan is wrong
+            raise result.failure() from None
+        raise
     if meeting is None:
         if isinstance(result, Failure):
             raise result.failure()
         return result.unwrap()
-    store, tag, index, ranks = meeting
-    outcomes = exchange(_CALL, store, tag, index, ranks, mine, timeout_s)
     failed = [(r, o) for r, o in zip(ranks, outcomes, strict=True) if "error" in o]
     if failed:
         if len(failed) == len(ranks) and all(o == mine for _, o in failed):

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
 import torch
+from returns.result import Failure, Success
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -54,7 +55,7 @@ from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.collectives import collective
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
-from fprep.errors import ConfigError
+from fprep.errors import ConfigError, PrepError
 from fprep.optim import canonical_names_weak, optimizer_fqns, rebind_optimizer
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
@@ -186,27 +187,28 @@ def prepare(
             )
     topology = topology if topology is not None else Topology.from_env()
     result = plan(model, cfg, topology, process_group=process_group, mesh=mesh)
+    optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+    recorded: list[tuple[torch.optim.Optimizer, tuple[tuple[str, ...], ...]]] = []
+    out = list(objects)
+    if isinstance(result, Success):
+        try:
+            # Sharding and meta-device materialization replace Parameter objects: record what
+            # each optimizer holds by name now (refusing foreign parameters before any effect)
+            # and point it at the new parameters afterwards, so that an optimizer built before
+            # prepare still trains.
+            recorded = [(opt, optimizer_fqns(model, opt, i)) for i, opt in enumerate(optimizers)]
+            # Data loaders need only the plan: prepare them now, so that a refused loader fails
+            # before any effect on the model.
+            out = _prepare_loaders(result.unwrap(), objects, device_placement)
+        except PrepError as e:  # agreed on below, like the plan's own errors
+            result = Failure(e)
     # Ranks may plan differently (real weights on rank 0, meta elsewhere): all learn every
     # rank's outcome before any effect, and raise the same error (one store exchange).
     timeout_s = cfg.timeout_s if isinstance(cfg, PrepConfig) else PrepConfig().timeout_s
     state = agree_on_plan(result, topology, timeout_s, process_group=process_group, mesh=mesh)
-    # Sharding and meta-device materialization replace Parameter objects: record what each
-    # optimizer holds by name now (refusing foreign parameters before any effect) and point it
-    # at the new parameters afterwards, so that an optimizer built before prepare still trains.
-    optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
-    recorded = [(opt, optimizer_fqns(model, opt, i)) for i, opt in enumerate(optimizers)]
     run = pipeline(
         *(steps if steps is not None else default_steps(mesh=mesh, process_group=process_group))
     )
-    # Data loaders need only the plan: prepare them now, so that a refused loader fails before
-    # any effect on the model.
-    flags = list(device_placement[1:]) if device_placement is not None else [None] * len(objects)
-    out = [
-        prepare_data_loader(state, obj, device_placement=flag)
-        if isinstance(obj, DataLoader)
-        else obj
-        for obj, flag in zip(objects, flags, strict=True)
-    ]
     before = canonical_names_weak(model)
     undo = Rollback.of(model)
     # A lost rank (or a backend timeout) in a step's collectives: a CollectiveError naming it.
@@ -221,6 +223,18 @@ def prepare(
     for i, (opt, fqns) in enumerate(recorded):
         rebind_optimizer(prepared, opt, fqns, i)
     return (state, prepared, *out)
+
+
+def _prepare_loaders(
+    state: PrepState, objects: Sequence[Any], device_placement: Sequence[bool] | None
+) -> list[Any]:
+    flags = list(device_placement[1:]) if device_placement is not None else [None] * len(objects)
+    return [
+        prepare_data_loader(state, obj, device_placement=flag)
+        if isinstance(obj, DataLoader)
+        else obj
+        for obj, flag in zip(objects, flags, strict=True)
+    ]
 
 
 def prepare_optimizer(
