@@ -221,7 +221,7 @@ class Site:
         except CollectiveError as e:
             if self.where:
                 raise CollectiveError(
-                    e.message + self.where, subject=e.subject, hint=e.hint
+                    f"{e.message.rstrip('.')}{self.where}.", subject=e.subject, hint=e.hint
                 ) from None
             raise
         except (RuntimeError, ValueError) as e:  # the store's host (rank 0's process) is gone
