@@ -10,6 +10,7 @@ from fprep.config import DDPOptions, PrepConfig
 from fprep.data import PreparedDataLoader, prepare_data_loader
 from fprep.errors import (
     CheckpointError,
+    CollectiveError,
     ConfigError,
     DeviceError,
     IgnoredStateError,
@@ -62,6 +63,7 @@ __all__ = [
     "DEFAULT_TRANSITIONS",
     "BufferInfo",
     "CheckpointError",
+    "CollectiveError",
     "ConfigError",
     "DDPOptions",
     "DeviceError",

@@ -79,3 +79,11 @@ class CheckpointError(PrepError, RuntimeError):
     Raised for missing, truncated, tampered or crafted files, for checkpoints that do not fit
     the model (keys, shapes, dtypes), and for values ``fprep.save`` cannot store as plain data.
     """
+
+
+class CollectiveError(PrepError, RuntimeError):
+    """A collective fprep call could not complete: a rank did not arrive within
+    ``PrepConfig.timeout_s`` (it was not called on every rank, or called in another order), or
+    a rank was lost (killed, crashed) while the others waited for it. The message names the call
+    and the ranks; a lost peer's own torch error is chained as ``__cause__``.
+    """

@@ -26,6 +26,7 @@ from torch import nn
 
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.steps import handles_of
+from fprep.collectives import collective
 from fprep.data import PreparedDataLoader
 from fprep.errors import PrepareError
 from fprep.ranks import all_gather, data_parallel_groups
@@ -177,9 +178,10 @@ def clip_grad_norm(
     sharded: list[Any] = [g for g in grads if _is_dtensor(g)]
     plain = [g for g in grads if not _is_dtensor(g)]
     norms: list[torch.Tensor] = []
-    if sharded:
-        total: Any = nn.utils.get_total_norm(sharded, norm_type)
-        norms.append(total.full_tensor() if _is_dtensor(total) else total)
+    if sharded:  # reduced across the mesh: a lost rank is a CollectiveError
+        with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
+            total: Any = nn.utils.get_total_norm(sharded, norm_type)
+            norms.append(total.full_tensor() if _is_dtensor(total) else total)
     if plain:
         norms.append(nn.utils.get_total_norm(plain, norm_type))
     if not norms:
@@ -221,13 +223,16 @@ def gather_for_metrics(
     if groups is None:
         return tensor
     size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    counts = [int(s.item()) for s in all_gather(size, groups, call="fprep.gather_for_metrics")]
-    longest = max(counts)
-    padded = tensor
-    if tensor.shape[0] < longest:
-        pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-        padded = torch.cat([tensor, pad])
-    parts = all_gather(padded.contiguous(), groups, call="fprep.gather_for_metrics")
+    # per batch: no arrival wait, but a lost rank or a timeout is a CollectiveError naming it
+    group = groups[0] if len(groups) == 1 else None  # a mesh: the whole job
+    with collective("fprep.gather_for_metrics", state.config.timeout_s, group, arrive=False):
+        counts = [int(s.item()) for s in all_gather(size, groups, call="fprep.gather_for_metrics")]
+        longest = max(counts)
+        padded = tensor
+        if tensor.shape[0] < longest:
+            pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+            padded = torch.cat([tensor, pad])
+        parts = all_gather(padded.contiguous(), groups, call="fprep.gather_for_metrics")
     keep = _kept_counts(counts, loader, len(parts))
     return torch.cat([part[:k] for part, k in zip(parts, keep, strict=True)])
 

@@ -17,9 +17,11 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
 13. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
 
 Everything the plan can reject is rejected before step 1, so a failed ``prepare`` leaves the
-model exactly as it was. A failure the plan cannot foresee (a user's ``reset_parameters``
-raising, a custom step failing, out of memory) rolls the model's structure back to what it was
-before step 1 (see ``fprep.apply.rollback``) and re-raises.
+model exactly as it was. Ranks agree on the plan first (``fprep.agreement``): a plan that fails
+on one rank raises the same error on every rank, before any effect. A failure the plan cannot
+foresee (a user's ``reset_parameters`` raising, a custom step failing, out of memory) rolls the
+model's structure back to what it was before step 1 (see ``fprep.apply.rollback``) and
+re-raises; a rank lost during the steps is a ``CollectiveError`` naming it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
 import torch
-from returns.result import Failure
+from returns.result import Failure, Success
 from torch import nn
 from torch.utils.data import DataLoader
 
+from fprep.agreement import agree_on_plan
 from fprep.apply import (
     checkpoint,
     compile_regions,
@@ -51,9 +54,10 @@ from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.load_weights import load_weights
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
+from fprep.collectives import collective
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
-from fprep.errors import ConfigError
+from fprep.errors import ConfigError, PrepError
 from fprep.optim import ReplacedParams, canonical_names_weak, optimizer_fqns, rebind_optimizer
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
@@ -184,36 +188,42 @@ def prepare(
                 subject="objects",
                 hint="Call fprep.prepare once per model: each call returns its own state.",
             )
+    topology = topology if topology is not None else Topology.from_env()
     result = plan(model, cfg, topology, process_group=process_group, mesh=mesh)
-    if isinstance(result, Failure):
-        raise result.failure()
-    state = result.unwrap()
-    if state.param_handles is not None:  # a module nothing can initialize: planned, not prepared
-        state.param_handles.materialize.check()
-    # Sharding and meta-device materialization replace Parameter objects: record what each
-    # optimizer holds by name now (refusing foreign parameters before any effect) and point it
-    # at the new parameters afterwards, so that an optimizer built before prepare still trains.
     optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
-    recorded = [(opt, optimizer_fqns(model, opt, i)) for i, opt in enumerate(optimizers)]
+    recorded: list[tuple[torch.optim.Optimizer, tuple[tuple[str, ...], ...]]] = []
+    out = list(objects)
+    if isinstance(result, Success):
+        try:
+            planned = result.unwrap()
+            if planned.param_handles is not None:  # nothing can initialize a module: a note in
+                planned.param_handles.materialize.check()  # the plan, refused by prepare
+            # Sharding and meta-device materialization replace Parameter objects: record what
+            # each optimizer holds by name now (refusing foreign parameters before any effect)
+            # and point it at the new parameters afterwards, so that an optimizer built before
+            # prepare still trains.
+            recorded = [(opt, optimizer_fqns(model, opt, i)) for i, opt in enumerate(optimizers)]
+            # Data loaders need only the plan: prepare them now, so that a refused loader fails
+            # before any effect on the model.
+            out = _prepare_loaders(planned, objects, device_placement)
+        except PrepError as e:  # agreed on below, like the plan's own errors
+            result = Failure(e)
+    # Ranks may plan differently (real weights on rank 0, meta elsewhere): all learn every
+    # rank's outcome before any effect, and raise the same error (one store exchange).
+    timeout_s = cfg.timeout_s if isinstance(cfg, PrepConfig) else PrepConfig().timeout_s
+    state = agree_on_plan(result, topology, timeout_s, process_group=process_group, mesh=mesh)
     run = pipeline(
         *(steps if steps is not None else default_steps(mesh=mesh, process_group=process_group))
     )
-    # Data loaders need only the plan: prepare them now, so that a refused loader fails before
-    # any effect on the model.
-    flags = list(device_placement[1:]) if device_placement is not None else [None] * len(objects)
-    out = [
-        prepare_data_loader(state, obj, device_placement=flag)
-        if isinstance(obj, DataLoader)
-        else obj
-        for obj, flag in zip(objects, flags, strict=True)
-    ]
     before = canonical_names_weak(model)
     undo = Rollback.of(model)
-    try:
-        state, prepared = run(state, model)
-    except BaseException:
-        undo.restore()  # a step failed after others changed the model: put it back
-        raise
+    # A lost rank (or a backend timeout) in a step's collectives: a CollectiveError naming it.
+    with collective("fprep.prepare", state.config.timeout_s, process_group, arrive=False):
+        try:
+            state, prepared = run(state, model)
+        except BaseException:
+            undo.restore()  # a step failed after others changed the model: put it back
+            raise
     del undo
     for i, (opt, fqns) in enumerate(recorded):
         rebind_optimizer(prepared, opt, fqns, i)
@@ -222,6 +232,18 @@ def prepare(
     replaced = ReplacedParams.of(before, prepared)
     state = with_handles(state, param_fqns_before=before, replaced_params=replaced)
     return (state, prepared, *out)
+
+
+def _prepare_loaders(
+    state: PrepState, objects: Sequence[Any], device_placement: Sequence[bool] | None
+) -> list[Any]:
+    flags = list(device_placement[1:]) if device_placement is not None else [None] * len(objects)
+    return [
+        prepare_data_loader(state, obj, device_placement=flag)
+        if isinstance(obj, DataLoader)
+        else obj
+        for obj, flag in zip(objects, flags, strict=True)
+    ]
 
 
 def prepare_optimizer(
@@ -243,12 +265,14 @@ def backward(state: PrepState, model: nn.Module, loss: Any) -> None:
     """``loss.backward()`` with the plan's extras: fp16 loss scaling, fast_ddp's all-reduce,
     and Gaudi's step mark in lazy mode."""
     handles = handles_of(state)
-    if handles.grad_scaler is not None:
-        handles.grad_scaler.scale(loss).backward()
-        if handles.scaler_use is not None:
-            handles.scaler_use.updated_since_backward = False
-    else:
-        loss.backward()
+    # DDP's and FSDP's gradient collectives run inside: a lost rank is a CollectiveError
+    with collective("fprep.backward", state.config.timeout_s, handles.process_group, arrive=False):
+        if handles.grad_scaler is not None:
+            handles.grad_scaler.scale(loss).backward()
+            if handles.scaler_use is not None:
+                handles.scaler_use.updated_since_backward = False
+        else:
+            loss.backward()
     runtime = state.runtime
     # (the plan is checked first: a missing attribute costs a microsecond on an nn.Module)
     if (

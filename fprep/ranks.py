@@ -17,6 +17,7 @@ guard (a timeout naming the call and the missing ranks, say) wraps one place per
 from __future__ import annotations
 
 import builtins
+import contextlib
 import math
 import numbers
 import random
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fprep.apply.steps import handles_of
+from fprep.collectives import collective
 from fprep.errors import ConfigError, PrepareError
 from fprep.state import PrepState, need
 from fprep.topology import Topology
@@ -110,6 +112,15 @@ def barrier(groups: list[Any], device: torch.device, *, call: str) -> None:
         dist.all_reduce(token, group=group)
 
 
+def guarded(
+    state: PrepState, groups: list[Any], call: str, *, arrive: bool
+) -> contextlib.AbstractContextManager[None]:
+    """``fprep.collectives.collective`` for ``call`` over ``groups``: a rank that never arrives
+    (``arrive=True``) or is lost mid-call is a ``CollectiveError`` naming it, not a hang."""
+    group = groups[0] if len(groups) == 1 else None  # a mesh: the whole job
+    return collective(call, state.config.timeout_s, group, arrive=arrive)
+
+
 # -- the public helpers --------------------------------------------------------------------------
 def reduce(state: PrepState, value: torch.Tensor | float, op: ReduceOp = "sum") -> Any:
     """``value`` reduced over the data-parallel ranks: ``"sum"`` (the default, as in
@@ -143,7 +154,8 @@ def reduce(state: PrepState, value: torch.Tensor | float, op: ReduceOp = "sum") 
     result = tensor.to(torch.int64) if flag else tensor.clone()  # backends do not reduce bools
     if groups is not None:
         result = result.to(handles_of(state).device)
-        all_reduce(result, groups, _TORCH_OPS[op], call="fprep.reduce")
+        with guarded(state, groups, "fprep.reduce", arrive=False):  # made every step
+            all_reduce(result, groups, _TORCH_OPS[op], call="fprep.reduce")
         result = result.to(tensor.device)
     if op == "mean":
         if not result.is_floating_point():
@@ -158,7 +170,8 @@ def wait_for_everyone(state: PrepState) -> None:
     """Return once every data-parallel rank has called it (a barrier); at once in one process."""
     groups = data_parallel_groups(state, "fprep.wait_for_everyone")
     if groups is not None:
-        barrier(groups, handles_of(state).device, call="fprep.wait_for_everyone")
+        with guarded(state, groups, "fprep.wait_for_everyone", arrive=True):
+            barrier(groups, handles_of(state).device, call="fprep.wait_for_everyone")
 
 
 def is_main_process(state: PrepState) -> bool:
@@ -227,10 +240,11 @@ def end_training(state: PrepState) -> bool:
     if not handles.owns_process_group or not _alive(handles.process_group):
         return False
     world = dist.group.WORLD
-    barrier([world], handles.device, call="fprep.end_training")  # every rank is done with it
-    if dist.get_rank() == 0:
-        _forget_rendezvous()
-    barrier([world], handles.device, call="fprep.end_training")  # ... before anyone re-joins
+    with guarded(state, [world], "fprep.end_training", arrive=True):
+        barrier([world], handles.device, call="fprep.end_training")  # every rank is done
+        if dist.get_rank() == 0:
+            _forget_rendezvous()
+        barrier([world], handles.device, call="fprep.end_training")  # ... before re-joining
     dist.destroy_process_group()
     return True
 

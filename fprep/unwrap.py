@@ -4,8 +4,9 @@
 * FSDP2: ``fully_shard`` swaps each unit's class for a generated ``FSDP<Class>`` and replaces
   parameters with shards. ``unwrap`` returns a *new* module tree of the original classes whose
   parameters are the full (gathered) tensors, with FSDP's hooks and bookkeeping removed; tied
-  parameters stay tied. Gathering is a collective: call it on every rank; the copy itself runs
-  no collective, so evaluating it on one rank is fine. Modules compiled in place
+  parameters stay tied. Gathering is a collective: call it on every rank (one that is not, or
+  is lost, is named in a ``CollectiveError`` within ``timeout_s``); the copy itself runs no
+  collective, so evaluating it on one rank is fine. Modules compiled in place
   (``compile="regional"`` / ``"whole"``) come back uncompiled (their compiled code belongs to
   the prepared module); a ``torch.compile``-d ``OptimizedModule`` stays one, over the copy.
 * Otherwise the model is returned as it is.
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from fprep.apply.precision import AutocastForward
+from fprep.collectives import collective
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
 
@@ -153,7 +155,8 @@ def unwrap(state: PrepState, model: nn.Module, *, keep_autocast: bool = True) ->
         return inner
     params = dict(inner.named_parameters(remove_duplicate=False))
     full: dict[int, nn.Parameter] = {}
-    with torch.no_grad():
+    group = getattr(state.handles, "process_group", None)  # the group FSDP gathers over
+    with collective("fprep.unwrap", state.config.timeout_s, group), torch.no_grad():
         for p in params.values():
             if id(p) in full:
                 continue

@@ -2,7 +2,9 @@
 
 An existing default process group is used as it is (its size and rank must match the plan).
 Otherwise, under a launcher (torchrun or MPI variables), fprep creates it with the backend the
-plan chose and ``PrepConfig.timeout_s``. A single process with no launcher needs no group.
+plan chose and ``PrepConfig.timeout_s``, over the launcher's store once every rank has reached
+it (``fprep.collectives.first_contact``: a rank that never comes is named within
+``min(timeout_s, FIRST_CONTACT_S)``). A single process with no launcher needs no group.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fprep.apply.steps import Handles, step
+from fprep.collectives import first_contact, take_contact
 from fprep.devices import device_handle
-from fprep.errors import PrepareError, TopologyError
+from fprep.errors import PrepareError, PrepError, TopologyError
 from fprep.state import PrepState, need
 
 
@@ -47,11 +50,21 @@ def _ensure_default_group(state: PrepState) -> bool:
             hint="Launch with torchrun --nproc-per-node N, or create the process group first.",
         )
     dev = need(state.device, "init_device", "connect")
+    # Every rank met at the launcher's store first (prepare's plan agreement did, or we do it
+    # now): a missing rank is named within min(timeout_s, FIRST_CONTACT_S), not waited for in
+    # init_process_group's silence.
+    store = take_contact(topo.rank, topo.world_size)
+    if store is None:
+        first_contact(topo.rank, topo.world_size, state.config.timeout_s)
+        store = take_contact(topo.rank, topo.world_size)
+    timeout = datetime.timedelta(seconds=state.config.timeout_s)
+    store.set_timeout(timeout)  # as env:// would have made it (first contact waited less)
     dist.init_process_group(
         backend=dev.backend,
+        store=store,
         rank=topo.rank,
         world_size=topo.world_size,
-        timeout=datetime.timedelta(seconds=state.config.timeout_s),
+        timeout=timeout,
     )
     return True
 
@@ -83,7 +96,7 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
         try:
             owns = _ensure_default_group(state)
         except (RuntimeError, ValueError) as e:
-            if isinstance(e, TopologyError):
+            if isinstance(e, PrepError):  # TopologyError, CollectiveError (a missing rank)
                 raise
             raise PrepareError(f"creating the process group failed: {e}", subject="connect") from e
         if core.is_sharded:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fprep.apply.steps import handles_of, skipped, step
+from fprep.collectives import collective
 from fprep.errors import PrepareError
 from fprep.state import PrepState, need
 
@@ -56,7 +57,9 @@ def all_reduce_gradients(state: PrepState, model: nn.Module) -> None:
         ]
     ).to(device)
     flat.mul_(runtime.fast_ddp_scale)
-    dist.all_reduce(flat, group=handles_of(state).process_group)
+    group = handles_of(state).process_group
+    with collective("fprep.all_reduce_gradients", state.config.timeout_s, group, arrive=False):
+        dist.all_reduce(flat, group=group)
     offset = 0
     for p in params:
         n = p.numel()

@@ -12,8 +12,11 @@ BLAKE3 digests), ``metadata`` (DCP metadata as JSON), ``manifest``, ``encoding``
 JSON), ``states`` (flat tensor dicts), ``validate``, ``rng``, ``collective``, ``files``, ``info``.
 See docs/checkpoints.md.
 
-The functions here import their implementations (and ``torch.distributed.checkpoint``, which
-takes over half a second) on first use, so ``import fprep`` stays fast.
+Each public function runs inside ``fprep.collectives.collective``: called on some ranks only,
+or with a rank lost on the way, it raises a ``CollectiveError`` naming the ranks instead of
+waiting forever. The functions here import their implementations (and
+``torch.distributed.checkpoint``, which takes over half a second) on first use, so
+``import fprep`` stays fast.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fprep.checkpoint.info import LoadedInfo
+from fprep.collectives import collective as guarded  # (the name `collective` is a submodule)
 from fprep.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -53,17 +57,18 @@ def save(
     """
     from fprep.checkpoint.writing import save as _save
 
-    return _save(
-        path,
-        state,
-        model,
-        optimizers=optimizers,
-        scheduler=scheduler,
-        loader=loader,
-        step=step,
-        extras=extras,
-        keep_last=keep_last,
-    )
+    with guarded("fprep.save", state.config.timeout_s):
+        return _save(
+            path,
+            state,
+            model,
+            optimizers=optimizers,
+            scheduler=scheduler,
+            loader=loader,
+            step=step,
+            extras=extras,
+            keep_last=keep_last,
+        )
 
 
 def load(
@@ -87,16 +92,17 @@ def load(
     """
     from fprep.checkpoint.reading import load as _load
 
-    return _load(
-        path,
-        state,
-        model,
-        optimizers=optimizers,
-        scheduler=scheduler,
-        loader=loader,
-        strict=strict,
-        verify_hashes=verify_hashes,
-    )
+    with guarded("fprep.load", state.config.timeout_s):
+        return _load(
+            path,
+            state,
+            model,
+            optimizers=optimizers,
+            scheduler=scheduler,
+            loader=loader,
+            strict=strict,
+            verify_hashes=verify_hashes,
+        )
 
 
 def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path:
@@ -107,7 +113,8 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
     """
     from fprep.checkpoint.export import export_full as _export_full
 
-    return _export_full(path, state, model)
+    with guarded("fprep.export_full", state.config.timeout_s):
+        return _export_full(path, state, model)
 
 
 __all__ = ["CheckpointError", "LoadedInfo", "export_full", "load", "save"]

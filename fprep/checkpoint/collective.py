@@ -3,6 +3,8 @@
 A rank that fails while others go on would leave them waiting in the next collective, so every
 phase that can fail on one rank ends in ``agree``: all ranks learn whether any failed and raise
 the same error. Objects exchanged here come from live processes of the job (never from files).
+A rank that is lost, or never calls, is ``fprep.collectives.collective``'s to report: the public
+functions in ``fprep.checkpoint`` run inside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fprep.collectives import is_collective_failure
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState
 
@@ -88,13 +91,17 @@ def _portable(error: BaseException) -> Any:
 
 
 def unwrap_dcp_error(error: BaseException) -> BaseException:
-    """The first ``PrepError`` a DCP ``CheckpointException`` carries, else a CheckpointError."""
+    """The first ``PrepError`` a DCP ``CheckpointException`` carries, else the first failed
+    collective (a lost rank: ``fprep.collectives.collective`` names it), else a
+    CheckpointError."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict):
-        for rank in sorted(failures):
-            value = failures[rank]
-            exc = value[0] if isinstance(value, tuple) else value
+        excs = [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())]
+        for exc in excs:
             if isinstance(exc, PrepError):
+                return exc
+        for exc in excs:
+            if isinstance(exc, BaseException) and is_collective_failure(exc):
                 return exc
         details = "; ".join(
             f"rank {r}: {v[0] if isinstance(v, tuple) else v}" for r, v in sorted(failures.items())

@@ -198,7 +198,11 @@ def _publish(
 ) -> Path:
     """Rank 0 completes the manifest with every rank's files and records, writes it, publishes
     and rotates; every rank returns the published directory (or raises the same error)."""
-    gathered = group.all_gather((collected.files, collected.rank))
+    try:
+        gathered = group.all_gather((collected.files, collected.rank))
+    except BaseException:  # a rank lost after writing: leave no temp dir behind
+        _discard(tmp, group)
+        raise
     published: Path | None = None
     error = None
     if group.rank == 0:

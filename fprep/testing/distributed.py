@@ -39,14 +39,8 @@ def free_port() -> int:
         return port
 
 
-def _worker(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    results: Any,
-    args: tuple[Any, ...],
-) -> None:
+def become_rank(rank: int, world_size: int, port: int) -> None:
+    """Set this process up as torchrun would start rank ``rank`` (one thread: ranks share cores)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -56,6 +50,17 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    become_rank(rank, world_size, port)
     try:
         results.put((rank, True, fn(*args)))
     except BaseException:

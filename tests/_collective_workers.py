@@ -1,0 +1,227 @@
+"""Rank functions for tests/test_collective_timeouts.py: collectives called on some ranks only,
+ranks that are missing or killed, ranks that plan differently.
+
+``spawn`` runs a rank function on N local ranks like ``fprep.testing.distributed.run_ranks``,
+but a rank that dies (on purpose: ``kill -9``) or raises does not end the run: it returns what
+every rank reported (or how it exited) once all are done or ``timeout_s`` has passed, so a test
+can assert on the survivors. Ranks report outcomes as plain data (class name, message, seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import fprep
+from fprep.testing.distributed import become_rank, free_port
+
+TIMEOUT_S = 3.0  # PrepConfig.timeout_s in these tests: short, so that failures come fast
+
+
+def _rank(fn: Any, rank: int, world_size: int, port: int, results: Any, args: Any) -> None:
+    """One rank, as torchrun would start it. It exits as soon as its result is sent: tearing a
+    process group down after its peer was killed can block for many seconds."""
+    become_rank(rank, world_size, port)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def spawn(fn: Any, world_size: int, *args: Any, ranks: Any = None, timeout_s: float = 90.0) -> Any:
+    """``{rank: result}`` for ranks that reported, ``{rank: "exit <code>"}`` for those that
+    exited without a result, ``{rank: "killed by the test"}`` for those still running at
+    ``timeout_s``. ``ranks`` (default: all) are the ranks started, out of ``world_size``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    started = list(range(world_size)) if ranks is None else list(ranks)
+    procs = {
+        r: ctx.Process(target=_rank, args=(fn, r, world_size, port, results, args), daemon=True)
+        for r in started
+    }
+    for p in procs.values():
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < len(procs) and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+                out[rank] = value if ok else f"raised:\n{value}"
+            except queue.Empty:
+                for r, p in procs.items():
+                    if r not in out and p.exitcode is not None:
+                        try:  # a result sent just before exiting may still be in flight
+                            rank, ok, value = results.get(timeout=1.0)
+                            out[rank] = value if ok else f"raised:\n{value}"
+                        except queue.Empty:
+                            out[r] = f"exit {p.exitcode}"
+    finally:
+        for r, p in procs.items():
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+                out.setdefault(r, "killed by the test")
+    return out
+
+
+class Leaf(nn.Module):
+    """Parameters of its own and no ``reset_parameters``: cannot be initialized from meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.leaf = Leaf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x) + x @ self.leaf.weight.t()
+        return out
+
+
+def _cfg(**kw: Any) -> fprep.PrepConfig:
+    return fprep.PrepConfig(strategy="fsdp", timeout_s=TIMEOUT_S, **kw)
+
+
+def _outcome(call: Any) -> dict[str, Any]:
+    """What ``call()`` raised (class, message, subject, cause) and how long it took."""
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:
+        cause = e.__cause__
+        return {
+            "error": type(e).__name__,
+            "message": str(e),
+            "subject": getattr(e, "subject", None),
+            "cause": None if cause is None else type(cause).__name__,
+            "seconds": time.monotonic() - start,
+        }
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def _prepared() -> tuple[Any, nn.Module]:
+    torch.manual_seed(0)
+    state, model = fprep.prepare(Net(), _cfg())
+    return state, model
+
+
+def save_on_rank0_only(root: str) -> dict[str, Any]:
+    """Rank 0 saves, rank 1 does not (and finishes). Rank 0's outcome, and what is on disk."""
+    state, model = _prepared()
+    if int(os.environ["RANK"]) != 0:
+        return {"error": None}
+    out = _outcome(lambda: fprep.save(root, state, model, step=1))
+    out["left"] = _left_behind(root)
+    return out
+
+
+def unwrap_on_rank0_only() -> dict[str, Any]:
+    state, model = _prepared()
+    if int(os.environ["RANK"]) != 0:
+        return {"error": None}
+    return _outcome(lambda: fprep.unwrap(state, model))
+
+
+def prepare_without_peer() -> dict[str, Any]:
+    """This rank alone, under a launcher that promised more."""
+    return _outcome(lambda: fprep.prepare(Net(), _cfg()))
+
+
+def plans_differ() -> dict[str, Any]:
+    """Rank 0 has real weights, rank 1 builds on meta a module without reset_parameters: only
+    rank 1's plan fails."""
+    torch.manual_seed(0)
+    if int(os.environ["RANK"]) == 0:
+        model = Net()
+    else:
+        with torch.device("meta"):
+            model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}
+    out = _outcome(lambda: fprep.prepare(model, _cfg(sync_module_states=True)))
+    after = {k: v for k, v in model.state_dict().items() if not v.is_meta}
+    out["unchanged"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
+    out["group_created"] = torch.distributed.is_initialized()
+    return out
+
+
+def plans_fail_alike() -> dict[str, Any]:
+    """Every rank's plan fails the same way: each keeps the plan's own error."""
+    return _outcome(lambda: fprep.prepare(Net(), _cfg(ignored_modules=("nope",))))
+
+
+def plans_differ_then_alike_then_succeed(root: str) -> dict[str, Any]:
+    """Three prepares in one launch (the failed ones leave it able to try again), then save,
+    load and unwrap on every rank: the guards let the normal path through."""
+    out = {"differ": plans_differ(), "alike": plans_fail_alike()}
+    state, model = _prepared()
+    out["group_created"] = torch.distributed.is_initialized()
+    out["ok"] = _outcome(
+        lambda: (
+            fprep.save(root, state, model, step=1),
+            fprep.load(root, state, model),
+            fprep.unwrap(state, model),
+        )
+    )
+    return out
+
+
+def killed_mid_save(root: str, victim: int) -> dict[str, Any]:
+    """Rank ``victim`` is killed (SIGKILL) while writing its shards; the other must not wait
+    for it (rank 0 hosts the store: the survivor then cannot even reach it)."""
+    from fprep.checkpoint import storage
+
+    state, model = _prepared()
+    if int(os.environ["RANK"]) == victim:
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        storage.SafeWriter.write_data = die  # type: ignore[method-assign]
+    out = _outcome(lambda: fprep.save(root, state, model, step=1))
+    out["left"] = _left_behind(root)
+    return out
+
+
+def calls_differ(root: str) -> dict[str, Any]:
+    """Rank 0 saves while rank 1 unwraps: both learn it at once."""
+    state, model = _prepared()
+    if int(os.environ["RANK"]) == 0:
+        return _outcome(lambda: fprep.save(root, state, model, step=1))
+    return _outcome(lambda: fprep.unwrap(state, model))
+
+
+def killed_before_gather() -> dict[str, Any]:
+    """Rank 1 is killed after prepare; rank 0's per-batch gather (no arrival check) names it."""
+    state, _ = _prepared()
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: fprep.gather_for_metrics(state, torch.ones(2, 1)))
+
+
+def _left_behind(root: str) -> list[str]:
+    """What a failed save left in ``root``: everything but the root's lock file (``.lock``, kept
+    for the next saver)."""
+    path = Path(root)
+    return sorted(p.name for p in path.iterdir() if p.name != ".lock") if path.exists() else []
