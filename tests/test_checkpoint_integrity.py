@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import fprep
 from fprep.checkpoint import layout, manifest, reading
 from fprep.checkpoint import metadata as md_json
+from fprep.checkpoint.backend import LocalStep
 from fprep.checkpoint.files import check_bytes, digest_of, dump_json, parse_json
 from fprep.errors import CheckpointError
 
@@ -128,7 +129,8 @@ def test_every_metadata_bit_flip_is_refused(ckpt: dict[str, Any]) -> None:
 def json_layer(root: Path) -> bytes:
     """Everything ``load`` reads before the tensor files: the manifest and metadata ``latest``
     leads to, as canonical bytes."""
-    found, meta = reading._read(layout.resolve(root))
+    target = layout.resolve(root)
+    found, meta = reading._read(LocalStep(target.step_dir), target.pinned)
     return found.to_json_bytes() + dump_json(md_json.to_json(meta))
 
 

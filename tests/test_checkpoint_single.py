@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fprep
-from fprep.checkpoint import LoadedInfo, files, layout, manifest, storage, writing
+from fprep.checkpoint import LoadedInfo, files, layout, manifest, storage
 from fprep.checkpoint.storage import SafeWriter
 from fprep.errors import CheckpointError, PrepError
 
@@ -321,7 +321,7 @@ def _fail(*args: Any, **kwargs: Any) -> Any:
 PHASES = {
     "writing tensors": (SafeWriter, "write_data"),
     "writing metadata": (SafeWriter, "finish"),
-    "writing the manifest": (writing, "write_durable"),
+    "writing the manifest": (files, "write_durable"),
     "publishing (rename)": (os, "rename"),
     "replacing latest": (os, "replace"),
 }

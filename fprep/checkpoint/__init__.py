@@ -48,10 +48,11 @@ def save(
     step: int = 0,
     extras: Any = None,
     keep_last: int | None = None,
-) -> Path:
+) -> Path | str:
     """Save model, optimizers, scheduler, loader position, RNG states, step and extras.
 
-    Call it on every rank. Returns the published step directory (``path/step-<step>``). Raises
+    Call it on every rank. Returns the published step directory (``path/step-<step>``; a URL
+    ``str`` when ``path`` is an fsspec URL, see docs/checkpoints.md "Remote storage"). Raises
     ``CheckpointError`` (on every rank) when anything cannot be saved; the previous checkpoints
     are untouched. See docs/checkpoints.md.
     """

@@ -240,7 +240,11 @@ def read_small(path: Path, what: str, limit: int = MAX_UNVERIFIED_JSON) -> bytes
 
 
 def check_size(path: Path, record: FileRecord, what: str) -> None:
-    size = regular_file_size(path, what)
+    check_recorded_size(regular_file_size(path, what), record, what)
+
+
+def check_recorded_size(size: int, record: FileRecord, what: str) -> None:
+    """A file of ``size`` bytes must be as long as ``record`` says."""
     if size != record.size:
         kind = "truncated" if size < record.size else "longer than recorded"
         raise CheckpointError(
@@ -292,6 +296,11 @@ def write_durable(path: Path, data: bytes) -> FileRecord:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return record_of(data)
+
+
+def record_of(data: bytes) -> FileRecord:
+    """The record of a file whose contents are ``data``."""
     return FileRecord(size=len(data), algorithm=ALGORITHM, digest=digest_of(data))
 
 

@@ -13,7 +13,7 @@ class LoadedInfo:
 
     step: int
     extras: Any
-    path: Path  # the step directory that was read
+    path: Path | str  # the step directory that was read (its URL for an fsspec one)
     world_size: int  # when saved
     strategy: str  # when saved
     state_dict_type: str  # when saved

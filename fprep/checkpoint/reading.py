@@ -44,9 +44,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from fprep.checkpoint import layout, optim_fit, rng, validate
 from fprep.checkpoint import metadata as md_json
+from fprep.checkpoint.backend import StepFiles, open_store
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import decode, encode, tensor_keys
-from fprep.checkpoint.files import check_size, parse_json, read_failure, read_small, read_verified
+from fprep.checkpoint.files import parse_json, read_failure
 from fprep.checkpoint.info import LoadedInfo
 from fprep.checkpoint.manifest import Manifest, parse
 from fprep.checkpoint.states import (
@@ -57,7 +58,6 @@ from fprep.checkpoint.states import (
     model_tensors,
     optimizer_prefix,
 )
-from fprep.checkpoint.storage import SafeReader
 from fprep.checkpoint.writing import as_optimizers, check_stateful
 from fprep.errors import CheckpointError
 from fprep.state import PrepState, need
@@ -78,7 +78,7 @@ class _OptimizerPlan:
 
 @dataclass
 class _Plan:
-    step_dir: Path
+    step_dir: Path | str
     manifest: Manifest
     metadata: Metadata
     targets: dict[str, torch.Tensor]
@@ -98,23 +98,22 @@ def _dummy(key: str) -> torch.Tensor:
     return torch.empty(0)
 
 
-def _read(target: layout.Target) -> tuple[Manifest, Metadata]:
-    step_dir = target.step_dir
+def _read(step_dir: StepFiles, pinned: str | None) -> tuple[Manifest, Metadata]:
     manifest = parse(
-        read_small(step_dir / layout.MANIFEST, layout.MANIFEST),
-        pinned=target.pinned,
-        pointer=str(step_dir.parent / layout.LATEST),
+        step_dir.read_small(layout.MANIFEST, layout.MANIFEST),
+        pinned=pinned,
+        pointer=step_dir.pointer(),
     )
     files = manifest.files
-    raw = read_verified(
-        step_dir / md_json.METADATA_FILE, files[md_json.METADATA_FILE], md_json.METADATA_FILE
+    raw = step_dir.read_verified(
+        md_json.METADATA_FILE, files[md_json.METADATA_FILE], md_json.METADATA_FILE
     )
     metadata = md_json.from_json(
         parse_json(raw, md_json.METADATA_FILE), {n: r.size for n, r in files.items()}
     )
     for name, record in sorted(files.items()):
         if name != md_json.METADATA_FILE:
-            check_size(step_dir / name, record, name)  # missing or truncated: fail early
+            step_dir.check_size(name, record, name)  # missing or truncated: fail early
     return manifest, metadata
 
 
@@ -147,7 +146,8 @@ def _nothing_saved(arg: str, saved: str, kept: str, strict: bool, source: str) -
 
 
 def _plan(
-    target: layout.Target,
+    target: StepFiles,
+    pinned: str | None,
     state: PrepState,
     model: nn.Module,
     opts: tuple[torch.optim.Optimizer, ...],
@@ -157,8 +157,8 @@ def _plan(
     group: Group,
 ) -> _Plan:
     device = need(state.device, "init_device", "fprep.load")
-    step_dir = target.step_dir
-    manifest, metadata = _read(target)
+    step_dir = target.location
+    manifest, metadata = _read(target, pinned)
     saved = _saved_specs(metadata)
     notes: list[str] = []
     source = f"the checkpoint {step_dir}"
@@ -397,7 +397,7 @@ def _apply(plan: _Plan, model: nn.Module, strict: bool) -> None:
         set_optimizer_state_dict(model, opt, osd)
 
 
-def _apply_failed(step_dir: Path, error: Exception) -> CheckpointError:
+def _apply_failed(step_dir: Path | str, error: Exception) -> CheckpointError:
     """A failure after every check passed (a scheduler's or loader's own ``load_state_dict``,
     an I/O error, a bug): the live objects may be partly loaded, and every rank says so."""
     if isinstance(error, CheckpointError):
@@ -447,6 +447,7 @@ def load(
     error: BaseException | None = None
     opts: tuple[torch.optim.Optimizer, ...] = ()
     found: tuple[str, str | None] | None = None
+    store = open_store(path)  # the same on every rank: a URL without fsspec fails on each
     try:
         for flag, value in (("strict", strict), ("verify_hashes", verify_hashes)):
             if not isinstance(value, bool):
@@ -455,19 +456,18 @@ def load(
         check_stateful(scheduler, "scheduler")
         check_stateful(loader, "loader")
         if group.rank == 0:
-            resolved = layout.resolve(path)
-            found = (str(resolved.step_dir), resolved.pinned)
+            found = store.resolve()
     except Exception as e:
         error = read_failure(e, path)
     name, pinned = group.agree(error, found)[0]
-    target = layout.Target(Path(name), pinned)
-    step_dir = target.step_dir
+    target = store.step(name)
+    step_dir = target.location
 
     snapshots = [dict(opt.state) for opt in opts]
     plan: _Plan | None = None
     error = None
     try:
-        plan = _plan(target, state, model, opts, scheduler, loader, strict, group)
+        plan = _plan(target, pinned, state, model, opts, scheduler, loader, strict, group)
     except Exception as e:
         error = read_failure(e, step_dir)
     try:
@@ -477,8 +477,7 @@ def load(
         raise
     assert plan is not None
     if plan.targets:
-        reader = SafeReader(
-            step_dir,
+        reader = target.reader(
             plan.metadata,
             plan.manifest.files,
             verify=verify_hashes,

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future as Job
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -70,6 +70,7 @@ from fprep.checkpoint.files import (
     open_regular,
     os_failure,
     read_failure,
+    record_of,
     write_durable,
 )
 from fprep.errors import CheckpointError
@@ -213,11 +214,18 @@ class SafeWriter(StorageWriter):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, sync_files: bool = True, progress: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sync_files: bool = True,
+        progress: bool = False,
+        opener: Callable[[str], IO[bytes]] | None = None,
     ) -> None:
         super().__init__()
         self.path = Path(path)
         self.sync_files = sync_files
+        #: opens a file of the step for writing; None: ``open`` in ``path`` (``backend.py``)
+        self.opener = opener
         self.progress = progress
         self.files: dict[str, FileRecord] = {}
         self.rank = 0
@@ -276,7 +284,7 @@ class SafeWriter(StorageWriter):
         self, name: str, items: list[Any], planner: SavePlanner, bar: Progress
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
-        with open(self.path / name, "wb") as f, _Hasher() as hasher:
+        with self._open(name) as f, _Hasher() as hasher:
             position = written_back = 0
             for item in items:
                 t = self._tensor(planner, item)
@@ -309,6 +317,9 @@ class SafeWriter(StorageWriter):
         self.files[name] = FileRecord(size=position, algorithm=ALGORITHM, digest=digest)
         return results
 
+    def _open(self, name: str) -> IO[bytes]:
+        return open(self.path / name, "wb") if self.opener is None else self.opener(name)
+
     @staticmethod
     def _tensor(planner: SavePlanner, item: Any) -> torch.Tensor:
         data = planner.resolve_data(item)
@@ -330,7 +341,12 @@ class SafeWriter(StorageWriter):
         data = dump_json(md_json.to_json(metadata))
         path = self.path / md_json.METADATA_FILE
         try:
-            self.files[md_json.METADATA_FILE] = write_durable(path, data)
+            if self.opener is None:
+                self.files[md_json.METADATA_FILE] = write_durable(path, data)
+            else:
+                with self.opener(md_json.METADATA_FILE) as f:
+                    f.write(data)
+                self.files[md_json.METADATA_FILE] = record_of(data)
         except OSError as e:
             raise os_failure(
                 e, "write", path, subject=md_json.METADATA_FILE, then=_SAVE_FAILED
@@ -463,9 +479,12 @@ class SafeReader(StorageReader):
         verify: bool = True,
         agree: Callable[[BaseException | None], object] | None = None,
         progress: bool = False,
+        source: Callable[[str, FileRecord], Source] | None = None,
     ) -> None:
         super().__init__()
         self.path = Path(path)
+        #: opens a file of the step for reading; None: ``Source`` in ``path`` (``backend.py``)
+        self.source = source
         self.metadata = metadata
         self.files = dict(files)
         self.verify = verify
@@ -520,7 +539,10 @@ class SafeReader(StorageReader):
         return sorted(names)
 
     def _open_one(self, name: str) -> Source:
-        source = Source(self.path / name, self.files[name], name)
+        if self.source is None:
+            source = Source(self.path / name, self.files[name], name)
+        else:
+            source = self.source(name, self.files[name])
         try:
             if self.verify:
                 source.verify(self._bar)

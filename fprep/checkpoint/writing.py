@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +27,13 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fprep.checkpoint import layout, rng
+from fprep.checkpoint import rng
+from fprep.checkpoint.backend import Releasable, Store, open_store
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import encode
-from fprep.checkpoint.files import FileRecord, write_durable
-from fprep.checkpoint.lock import RootLock, lock_root
+from fprep.checkpoint.files import FileRecord
 from fprep.checkpoint.manifest import Manifest, OptimizerRecord, RankRecord
 from fprep.checkpoint.states import model_tensors, split_optimizers
-from fprep.checkpoint.storage import SafeWriter
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState, need
 
@@ -90,20 +88,21 @@ def save(
     step: int = 0,
     extras: Any = None,
     keep_last: int | None = None,
-) -> Path:
+) -> Path | str:
     """Save model, optimizers, scheduler, loader position, RNG states, step and extras.
 
-    Call it on every rank. Returns the published step directory (``path/step-<step>``).
+    Call it on every rank. Returns the published step directory (``path/step-<step>``; its
+    URL, a ``str``, when ``path`` is an fsspec URL).
     Raises ``CheckpointError`` (on every rank) when anything cannot be saved; the previous
     checkpoints are untouched. See docs/checkpoints.md.
     """
-    root = Path(path)
+    root = open_store(path)  # the same on every rank: a URL without fsspec fails on each
     group = Group.of(state)
     core = need(state.core, "init_core", "fprep.save")
     sd_state = need(state.state_dict, "init_state_dict", "fprep.save")
     device = need(state.device, "init_device", "fprep.save")
-    tmp: Path | None = None
-    lock: RootLock | None = None
+    tmp: str | None = None
+    lock: Releasable | None = None
     error: BaseException | None = None
     collected = _Collected()
     try:
@@ -123,20 +122,20 @@ def save(
             )
             collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
             if group.rank == 0:
-                layout.check_root(root)
-                lock = lock_root(root)  # held until this save has published and rotated
-                layout.clean_stale(root)  # the lock proves that no one writes them any more
-                tmp = layout.new_tmp_dir(root, step)
+                root.check_root()
+                lock = root.lock()  # held until this save has published and rotated
+                root.clean_stale()  # the lock proves that no one writes them any more
+                tmp = root.new_staging(step)
         except Exception as e:
             error = e if isinstance(e, PrepError) else _failed("collecting state", root, e)
         try:
-            names = group.agree(error, None if tmp is None else tmp.name)
+            names = group.agree(error, tmp)
         except BaseException:
             if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+                root.discard(tmp)
             raise
-        tmp = root / names[0]
-        _write_tensors(tmp, collected, group)
+        tmp = names[0]
+        _write_tensors(root, tmp, collected, group)
         manifest = Manifest(
             step=step,
             world_size=group.world_size,
@@ -168,9 +167,9 @@ class _Collected:
     files: dict[str, FileRecord] = field(default_factory=dict)  # written by this rank
 
 
-def _write_tensors(tmp: Path, collected: _Collected, group: Group) -> None:
+def _write_tensors(root: Store, tmp: str, collected: _Collected, group: Group) -> None:
     """Every rank's tensors into ``tmp`` through DCP; the files written go to ``collected``."""
-    writer = SafeWriter(tmp, progress=group.rank == 0)
+    writer = root.writer(tmp, progress=group.rank == 0)
     try:
         with group.dcp_call():
             dcp_save(
@@ -182,28 +181,28 @@ def _write_tensors(tmp: Path, collected: _Collected, group: Group) -> None:
     except BaseException as e:  # DCP raises CheckpointException, a BaseException
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
-        _discard(tmp, group)
+        _discard(root, tmp, group)
         raise unwrap_dcp_error(e) from None
     collected.tensors = {}
     collected.files = dict(writer.files)
 
 
 def _publish(
-    root: Path,
-    tmp: Path,
+    root: Store,
+    tmp: str,
     manifest: Manifest,
     collected: _Collected,
     group: Group,
     keep_last: int | None,
-) -> Path:
+) -> Path | str:
     """Rank 0 completes the manifest with every rank's files and records, writes it, publishes
     and rotates; every rank returns the published directory (or raises the same error)."""
     try:
         gathered = group.all_gather((collected.files, collected.rank))
-    except BaseException:  # a rank lost after writing: leave no temp dir behind
-        _discard(tmp, group)
+    except BaseException:  # a rank lost after writing: leave no staged files behind
+        _discard(root, tmp, group)
         raise
-    published: Path | None = None
+    published: str | None = None
     error = None
     if group.rank == 0:
         try:
@@ -212,17 +211,17 @@ def _publish(
                 files={name: rec for f, _ in gathered for name, rec in f.items()},
                 ranks=tuple(r for _, r in gathered),
             )
-            sealed = write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
-            published = layout.publish(root, tmp, manifest.step, sealed.digest)
+            sealed = root.write_manifest(tmp, manifest.to_json_bytes())
+            published = root.publish(tmp, manifest.step, sealed.digest)
             if keep_last is not None:
-                layout.rotate(root, keep_last)
+                root.rotate(keep_last)  # after the pointer: never the step it names
         except Exception as e:
             error = e if isinstance(e, PrepError) else _failed("publishing", root, e)
             if published is None:
-                shutil.rmtree(tmp, ignore_errors=True)
+                root.discard(tmp)
     group.agree(error)
-    name = group.broadcast(None if published is None else published.name)
-    return root / str(name)
+    name = group.broadcast(published)
+    return root.location(str(name))
 
 
 def _grad_scaler_state(state: PrepState) -> Any:
@@ -234,7 +233,7 @@ def _grad_scaler_state(state: PrepState) -> Any:
     return encode(scaler.state_dict(), "grad_scaler", None)
 
 
-def _failed(phase: str, root: Path, error: Exception) -> CheckpointError:
+def _failed(phase: str, root: object, error: Exception) -> CheckpointError:
     wrapped = CheckpointError(
         f"saving to {root} failed while {phase}: {type(error).__name__}: {error}",
         subject=str(root),
@@ -244,9 +243,9 @@ def _failed(phase: str, root: Path, error: Exception) -> CheckpointError:
     return wrapped
 
 
-def _discard(tmp: Path, group: Group) -> None:
+def _discard(root: Store, tmp: str, group: Group) -> None:
     if group.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        root.discard(tmp)
 
 
 def _fprep_version() -> str:
