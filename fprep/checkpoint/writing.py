@@ -10,13 +10,18 @@ Order of work (every rank, collectives in the same order):
 4. rank 0 gathers each rank's file records, RNG states and loader position, writes
    ``manifest.json``, publishes (rename + ``latest``), rotates, removes stale temp dirs;
 5. every rank returns the published directory (or raises the same error).
+
+Steps 1-2 are ``collect`` (the foreground of an asynchronous save, which also stages the tensors
+in host memory there), steps 3-5 ``write_and_publish`` (what its background thread runs, on a
+process group of its own; see ``background.py``). ``save`` runs both, one after the other.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +80,29 @@ def _check_args(step: object, keep_last: object) -> None:
         )
 
 
+@dataclass(kw_only=True)
+class Collected:
+    """A save's foreground part done: every value to write, the ``.tmp-*`` directory made.
+
+    ``tensors`` are this rank's (the live ones for a synchronous save, staged host copies for an
+    asynchronous one; emptied once written); everything else is already JSON data, independent
+    of the live objects.
+    """
+
+    root: Path
+    tmp: Path
+    step: int
+    keep_last: int | None
+    strategy: str
+    state_dict_type: str
+    tensors: dict[str, torch.Tensor]
+    optimizers: tuple[OptimizerRecord, ...]
+    scheduler: Any
+    grad_scaler: Any
+    extras: Any
+    record: RankRecord
+
+
 def save(
     path: str | os.PathLike[str],
     state: PrepState,
@@ -92,6 +120,40 @@ def save(
     Call it on every rank. Returns the published step directory (``path/step-<step>``).
     Raises ``CheckpointError`` (on every rank) when anything cannot be saved; the previous
     checkpoints are untouched. See docs/checkpoints.md.
+    """
+    return write_and_publish(
+        collect(
+            path,
+            state,
+            model,
+            optimizers=optimizers,
+            scheduler=scheduler,
+            loader=loader,
+            step=step,
+            extras=extras,
+            keep_last=keep_last,
+        ),
+        Group.of(state),
+    )
+
+
+def collect(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+    stage: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Collected:
+    """Steps 1 and 2: check and collect everything, make the ``.tmp-*`` directory, agree.
+
+    ``stage`` (asynchronous saves) replaces the live tensors by copies before the agreement, so
+    that a rank failing to stage fails every rank. Collectives: the default group only.
     """
     root = Path(path)
     group = Group.of(state)
@@ -119,6 +181,8 @@ def save(
         encoded_scaler = _grad_scaler_state(state)
         tensors.update(model_tensors(state, model, for_save=True))
         skeletons = split_optimizers(state, model, opts, tensors, for_save=True)
+        if stage is not None:
+            tensors = stage(tensors)
         record = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
         if group.rank == 0:
             tmp = layout.new_tmp_dir(root, step)
@@ -130,14 +194,38 @@ def save(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tmp = root / names[0]
-    writer = SafeWriter(tmp, progress=group.rank == 0)
+    return Collected(
+        root=root,
+        tmp=root / names[0],
+        step=step,
+        keep_last=keep_last,
+        strategy=core.strategy,
+        state_dict_type=sd_state.type,
+        tensors=tensors,
+        optimizers=tuple(skeletons),
+        scheduler=encoded_scheduler,
+        grad_scaler=encoded_scaler,
+        extras=encoded_extras,
+        record=record,
+    )
+
+
+def write_and_publish(
+    collected: Collected, group: Group, *, process_group: Any = None, progress: bool = True
+) -> Path:
+    """Steps 3 to 5: write the tensors and ``metadata.json``, then (rank 0) the manifest;
+    publish. Every collective runs on ``group`` (and DCP's on ``process_group``, None for the
+    default group). ``progress``: rank 0 may draw a progress line."""
+    c = collected
+    tmp = c.tmp
+    writer = SafeWriter(tmp, progress=progress and group.rank == 0)
     try:
         with group.dcp_call():
             dcp_save(
-                tensors,
+                c.tensors,
                 storage_writer=writer,
                 planner=DefaultSavePlanner(flatten_state_dict=False),
+                process_group=process_group,
                 no_dist=not group.distributed,
             )
     except BaseException as e:  # DCP raises CheckpointException, a BaseException
@@ -145,39 +233,39 @@ def save(
             raise
         _discard(tmp, group)
         raise unwrap_dcp_error(e) from None
-    del tensors
-    gathered = group.all_gather((dict(writer.files), record))
+    c.tensors = {}  # written: free them (a full state dict on rank 0 is a whole model)
+    gathered = group.all_gather((dict(writer.files), c.record))
     published: Path | None = None
-    error = None
+    error: BaseException | None = None
     if group.rank == 0:
         try:
             files = {name: rec for f, _ in gathered for name, rec in f.items()}
             manifest = Manifest(
-                step=step,
+                step=c.step,
                 world_size=group.world_size,
-                strategy=core.strategy,
-                state_dict_type=sd_state.type,
+                strategy=c.strategy,
+                state_dict_type=c.state_dict_type,
                 files=files,
-                optimizers=tuple(skeletons),
-                scheduler=encoded_scheduler,
-                grad_scaler=encoded_scaler,
+                optimizers=c.optimizers,
+                scheduler=c.scheduler,
+                grad_scaler=c.grad_scaler,
                 ranks=tuple(r for _, r in gathered),
-                extras=encoded_extras,
+                extras=c.extras,
                 fprep_version=_fprep_version(),
                 torch_version=str(torch.__version__),
             )
             write_durable(tmp / layout.MANIFEST, manifest.to_json_bytes())
-            published = layout.publish(root, tmp, step)
-            if keep_last is not None:
-                layout.rotate(root, keep_last)
-            layout.clean_stale(root)
+            published = layout.publish(c.root, tmp, c.step)
+            if c.keep_last is not None:
+                layout.rotate(c.root, c.keep_last)
+            layout.clean_stale(c.root)
         except Exception as e:
-            error = e if isinstance(e, PrepError) else _failed("publishing", root, e)
+            error = e if isinstance(e, PrepError) else _failed("publishing", c.root, e)
             if published is None:
                 shutil.rmtree(tmp, ignore_errors=True)
     group.agree(error)
     name = group.broadcast(None if published is None else published.name)
-    return root / str(name)
+    return c.root / str(name)
 
 
 def _grad_scaler_state(state: PrepState) -> Any:
