@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -152,6 +153,33 @@ def test_wait_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"wait must be True or False; got 0\."):
         fprep.save(tmp_path, state, model, wait=0)  # type: ignore[call-overload]
     assert not list(tmp_path.iterdir())
+
+
+PLANNED = textwrap.dedent(
+    """
+    from torch import nn
+
+    def build():  # rows that do not divide by 4: the staged copy is unpadded
+        return nn.Sequential(nn.Embedding(101, 64), nn.Linear(64, 64))
+    """
+)
+
+
+def test_plan_shows_the_staging_memory_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fprep.cli import main
+
+    (tmp_path / "staged_models.py").write_text(PLANNED)
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "staged_models:build", "--world-size", "4", "--precision", "no"]
+    assert main(argv) == 0
+    assert "async staging" not in capsys.readouterr().out
+    assert main([*argv, "--async-checkpoint"]) == 0
+    out = capsys.readouterr().out
+    # rank 0's shards: 26 embedding rows, 16 + 16 of the linear; the parameters and Adam's two
+    # states, all fp32: 3 * 4 * (26 * 64 + 16 * 64 + 16) bytes = 31.69 KiB
+    assert re.search(r"host: async staging +31\.69 KiB\n", out), out
 
 
 EXITING = textwrap.dedent(
