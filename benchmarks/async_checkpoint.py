@@ -83,9 +83,21 @@ def measure(spec: dict[str, int], rounds: int, base: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from fprep.checkpoint import staging
+
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     state, model, opt = build(spec)
+    copies: list[float] = []  # seconds of fprep's staging copy, this rank
+    real_stage = staging.Stager.stage
+
+    def timed_stage(self: staging.Stager, tensors: Any) -> Any:
+        start = time.perf_counter()
+        out = real_stage(self, tensors)
+        copies.append(time.perf_counter() - start)
+        return out
+
+    staging.Stager.stage = timed_stage  # type: ignore[method-assign]
     rank = dist.get_rank()
     root = Path(base)
     counter = [0]
@@ -135,6 +147,7 @@ def measure(spec: dict[str, int], rounds: int, base: str) -> dict[str, Any]:
         for name in order:
             times[name].append(once(name))
     return {
+        "copy_s": slowest(statistics.median(copies[1:])),  # the first one allocates
         "bytes": tensor_bytes_global(model, opt),
         "first": first,
         "times": times,
@@ -183,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
             f"  {name:<16}{stall:>8.3f}s{stall / sync:>8.3f}x{result['first'][name][0]:>12.3f}s"
             f"{published:>10.2f}s{mb / published:>8.0f}{sync / published:>8.2f}x"
         )
+    print(f"  (of fprep's async stall, the staging copy itself: {result['copy_s']:.3f} s)")
+    for name in VARIANTS:
+        rounds_text = ", ".join(f"{st:.2f}/{pub:.2f}" for st, pub in times[name])
+        print(f"  {name} per round (stall/published s): {rounds_text}")
     stall_ratio = med["fprep async"][0] / sync
     vs_dcp = med["fprep async"][0] / med["dcp.async_save"][0]
     throughput = sync / med["fprep async"][1]
