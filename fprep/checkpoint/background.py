@@ -25,9 +25,10 @@ with the same outcome (success, or the same ``CheckpointError``), and ``wait`` i
 joins this rank's thread; no collective, so it may be called on some ranks only).
 
 At most one save is in flight per process: the next ``save`` (either kind), ``load`` and the
-process's exit (``atexit``) wait for it first; a failure nobody collected with ``wait`` is raised
-there (at exit it is printed: an exit cannot raise). Before ``destroy_process_group``, call
-``wait``: the thread needs the process groups until it is done.
+process's exit (an exit hook of ``threading``'s, which runs before ``atexit``'s) wait for it
+first; a failure nobody collected with ``wait`` is raised there (at exit it is printed: an exit
+cannot raise). Before ``destroy_process_group``, call ``wait``: the thread needs the process
+groups until it is done.
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ class SaveHandle:
         self._path: Path | None = None
         self._error: BaseException | None = None
         self._collected = False  # the outcome was handed to someone (wait, or the next save)
-        self._thread: threading.Thread | None = None
 
     def done(self) -> bool:
         """Whether the background work is over (published or failed); never blocks."""
@@ -219,7 +219,6 @@ def start(
     thread = threading.Thread(
         target=handle._run, args=(collected, own), name="fprep-save", daemon=True
     )
-    handle._thread = thread
     with _lock:
         _in_flight = handle
         if not _exit_hook:
