@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,14 +99,16 @@ def test_the_next_save_and_load_wait_for_the_one_in_flight(
 ) -> None:
     state, model, *_ = trained(1)
     real = SafeWriter.finish
+    gate = threading.Event()
 
-    def slow_finish(self: SafeWriter, *args: Any, **kwargs: Any) -> None:
-        time.sleep(0.3)
+    def held_finish(self: SafeWriter, *args: Any, **kwargs: Any) -> None:
+        gate.wait(timeout=60)  # the first save stays in flight until the test lets it go
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(SafeWriter, "finish", slow_finish)
+    monkeypatch.setattr(SafeWriter, "finish", held_finish)
     first = fprep.save(tmp_path, state, model, step=1, wait=False)
     assert not first.done()
+    threading.Timer(0.3, gate.set).start()  # while the second save is called
     second = fprep.save(tmp_path, state, model, step=2, wait=False)
     assert first.done()  # the second started only after the first was published
     s2, m2, *_ = W.prepared("none", seed=2)
