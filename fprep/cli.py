@@ -64,8 +64,8 @@ def _build_on_meta(builder: Callable[[], Any]) -> torch.nn.Module:
     return model
 
 
-def _memory_table(state: PrepState) -> str:
-    mem = estimate_memory(state)
+def _memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
+    mem = estimate_memory(state, async_checkpoint=async_checkpoint)
     rows = [
         ("parameters", mem.params),
         ("gradients", mem.grads),
@@ -76,6 +76,8 @@ def _memory_table(state: PrepState) -> str:
     ]
     where = "host (offload)" if mem.on_host else "device"
     lines = [f"per-rank memory ({where}):"]
+    if async_checkpoint:  # fprep.save(wait=False): a staged copy, always in host memory
+        rows.append(("host: async staging", mem.checkpoint_staging("adam")))
     lines += [f"  {name:<24}{human_bytes(value):>14}" for name, value in rows]
     return "\n".join(lines)
 
@@ -130,7 +132,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(_plan_json(state), indent=2))
     else:
         print(state.summary())
-        print(_memory_table(state))
+        print(_memory_table(state, args.async_checkpoint))
     return 0
 
 
@@ -229,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help="print strategy, units and memory bytes as JSON instead of the summary",
+    )
+    p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help="add the host memory of fprep.save(wait=False)'s staged copy (with Adam)",
     )
     p.set_defaults(func=_cmd_plan)
 

@@ -4,7 +4,8 @@ Counts what the engines allocate for the planned dtypes: FSDP2 keeps the padded 
 each parameter (on the host with CPU offload) and gradients and optimizer state at the unpadded
 local shard shape; DDP and fast_ddp keep everything whole (DDP adds its gradient buckets,
 fast_ddp its fused buffer). The transient all-gather of the largest unit (in the compute dtype)
-is reported separately.
+is reported separately. Asked for (``async_checkpoint=True``), the host memory that asynchronous
+checkpoint saves keep for their staged copy of this rank's state (``checkpoint_staging``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class MemoryEstimate:
     fused_grad_buffer: int  # fast_ddp's flat all-reduce buffer
     ddp_buckets: int  # DDP's gradient buckets (a second copy unless gradient_as_bucket_view)
     on_host: bool  # parameters, gradients and optimizer state live in host memory (offload)
+    # fprep.save(wait=False)'s staging buffers: this rank's unpadded shards, in host memory
+    staged_params: int = 0  # (only with estimate_memory(..., async_checkpoint=True))
 
     @property
     def comm_buffers(self) -> int:
@@ -33,6 +36,14 @@ class MemoryEstimate:
 
     def total(self, optimizer: str = "adam") -> int:
         """Steady-state bytes with an optimizer: "adam"/"adamw", "sgd_momentum" or "sgd"."""
+        return self.params + self.grads + self._states(optimizer) + self.comm_buffers
+
+    def checkpoint_staging(self, optimizer: str = "adam") -> int:
+        """Host bytes an asynchronous save stages (parameters and optimizer state), kept and
+        reused from one save to the next (0 unless estimated with ``async_checkpoint``)."""
+        return self.staged_params + (self._states(optimizer) if self.staged_params else 0)
+
+    def _states(self, optimizer: str) -> int:
         states = {
             "adam": self.adam,
             "adamw": self.adam,
@@ -45,20 +56,21 @@ class MemoryEstimate:
                 subject="optimizer",
                 hint=f"Use one of {', '.join(map(repr, states))}.",
             )
-        return self.params + self.grads + states[optimizer] + self.comm_buffers
+        return states[optimizer]
 
 
-def estimate_memory(state: PrepState) -> MemoryEstimate:
+def estimate_memory(state: PrepState, *, async_checkpoint: bool = False) -> MemoryEstimate:
     handles = need(state.param_handles, "init_param_handles", "estimate_memory")
     core = need(state.core, "init_core", "estimate_memory")
     runtime = need(state.runtime, "init_runtime", "estimate_memory")
-    params = grads = trainable = largest = fused = 0
+    params = grads = trainable = largest = fused = staged = 0
     compute = core.precision.param_dtype
     for unit in handles.units:
         unsharded = 0
         for p in unit.params:
             size = dtype_bytes(p.dtype)
             params += p.padded_numel * size
+            staged += p.local_numel * size
             if p.requires_grad:
                 # FSDP2 allocates gradients (and optimizer state) at the unpadded local shape
                 grads += p.local_numel * size
@@ -70,6 +82,7 @@ def estimate_memory(state: PrepState) -> MemoryEstimate:
             largest = max(largest, unsharded)
     for p in handles.ignored:
         params += p.numel * dtype_bytes(p.dtype)
+        staged += p.numel * dtype_bytes(p.dtype)
         if p.requires_grad:
             grads += p.numel * dtype_bytes(p.dtype)
             trainable += p.numel * dtype_bytes(p.dtype)
@@ -84,4 +97,5 @@ def estimate_memory(state: PrepState) -> MemoryEstimate:
             grads if core.strategy == "ddp" and not state.config.ddp.gradient_as_bucket_view else 0
         ),
         on_host=core.offload == "cpu",
+        staged_params=staged if async_checkpoint else 0,
     )

@@ -4,6 +4,8 @@
   rank writes its shards; loading reads each rank's part of any layout, so a checkpoint moves
   between world sizes and strategies), plus scheduler state, data-loader position, per-rank RNG
   states, the step and JSON extras in a JSON manifest.
+* ``save(..., wait=False)``: an asynchronous save (``background``: staged in host memory by
+  ``staging``, written and published on a thread); returns a ``SaveHandle``.
 * ``export_full``: one safetensors file with the full model, streamed one tensor at a time.
 
 Modules, one job each: ``writing`` (save), ``reading`` (load), ``export``, ``layout``
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from fprep.checkpoint.info import LoadedInfo
 from fprep.collectives import collective as guarded  # (the name `collective` is a submodule)
@@ -34,7 +36,40 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from fprep.checkpoint.background import SaveHandle
     from fprep.state import PrepState
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+    wait: Literal[True] = True,
+) -> Path | str: ...
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+    wait: Literal[False],
+) -> SaveHandle: ...
 
 
 def save(
@@ -48,28 +83,40 @@ def save(
     step: int = 0,
     extras: Any = None,
     keep_last: int | None = None,
-) -> Path | str:
+    wait: bool = True,
+) -> Path | str | SaveHandle:
     """Save model, optimizers, scheduler, loader position, RNG states, step and extras.
 
     Call it on every rank. Returns the published step directory (``path/step-<step>``; a URL
     ``str`` when ``path`` is an fsspec URL, see docs/checkpoints.md "Remote storage"). Raises
     ``CheckpointError`` (on every rank) when anything cannot be saved; the previous checkpoints
     are untouched. See docs/checkpoints.md.
+
+    ``wait=False`` returns a ``SaveHandle`` as soon as this rank's state is staged in host
+    memory; writing, hashing and publishing go on in the background (``handle.wait()`` returns
+    the step directory or raises the failure). The next save, a load, or the process's exit
+    wait for it first.
     """
+    from fprep.checkpoint import background
+
+    if not isinstance(wait, bool):
+        raise CheckpointError(f"wait must be True or False; got {wait!r}.", subject="wait")
+    arguments: dict[str, Any] = {
+        "optimizers": optimizers,
+        "scheduler": scheduler,
+        "loader": loader,
+        "step": step,
+        "extras": extras,
+        "keep_last": keep_last,
+    }
+    if not wait:
+        with guarded("fprep.save", state.config.timeout_s):  # the foreground part
+            return background.start(path, state, model, **arguments)
+    background.settle()
     from fprep.checkpoint.writing import save as _save
 
     with guarded("fprep.save", state.config.timeout_s):
-        return _save(
-            path,
-            state,
-            model,
-            optimizers=optimizers,
-            scheduler=scheduler,
-            loader=loader,
-            step=step,
-            extras=extras,
-            keep_last=keep_last,
-        )
+        return _save(path, state, model, **arguments)
 
 
 def load(
@@ -91,8 +138,10 @@ def load(
     ``verify_hashes=False`` skips the digests of the tensor files (for storage you trust);
     sizes, structure and metadata are still checked, and nothing is ever unpickled.
     """
+    from fprep.checkpoint import background
     from fprep.checkpoint.reading import load as _load
 
+    background.settle()  # a save in flight is published (or its failure raised) first
     with guarded("fprep.load", state.config.timeout_s):
         return _load(
             path,
@@ -118,4 +167,12 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
         return _export_full(path, state, model)
 
 
-__all__ = ["CheckpointError", "LoadedInfo", "export_full", "load", "save"]
+def __getattr__(name: str) -> Any:
+    if name == "SaveHandle":  # imported on first use, like the functions' implementations
+        from fprep.checkpoint.background import SaveHandle
+
+        return SaveHandle
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CheckpointError", "LoadedInfo", "SaveHandle", "export_full", "load", "save"]

@@ -11,13 +11,18 @@ Order of work (every rank, collectives in the same order):
 4. rank 0 gathers each rank's file records, RNG states and loader position, writes
    ``manifest.json``, publishes (rename + ``latest``), rotates, and releases the lock;
 5. every rank returns the published directory (or raises the same error).
+
+Steps 1-2 are ``collect`` (the foreground of an asynchronous save: ``background.py`` stages the
+tensors in host memory there), steps 3-5 ``write_and_publish`` (its background thread, on a
+process group of its own); a synchronous ``save`` runs both in turn. The root's lock is taken
+in ``collect`` and released when ``write_and_publish`` ends, so it spans the whole save.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,7 @@ from fprep.checkpoint.backend import Releasable, Store, open_store
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import encode
 from fprep.checkpoint.files import FileRecord
-from fprep.checkpoint.manifest import Manifest, OptimizerRecord, RankRecord
+from fprep.checkpoint.manifest import Manifest, RankRecord
 from fprep.checkpoint.states import model_tensors, split_optimizers
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState, need
@@ -96,6 +101,38 @@ def save(
     Raises ``CheckpointError`` (on every rank) when anything cannot be saved; the previous
     checkpoints are untouched. See docs/checkpoints.md.
     """
+    collected = collect(
+        path,
+        state,
+        model,
+        optimizers=optimizers,
+        scheduler=scheduler,
+        loader=loader,
+        step=step,
+        extras=extras,
+        keep_last=keep_last,
+    )
+    return write_and_publish(collected, Group.of(state))
+
+
+def collect(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+    stage: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Collected:
+    """Steps 1 and 2: check and collect everything, take the lock, make the staging place,
+    agree. ``stage`` (asynchronous saves) replaces the live tensors by copies before the
+    agreement, so that a rank failing to stage fails every rank. Collectives: the default
+    group only. The lock a returned ``Collected`` holds is released by ``write_and_publish``.
+    """
     root = open_store(path)  # the same on every rank: a URL without fsspec fails on each
     group = Group.of(state)
     core = need(state.core, "init_core", "fprep.save")
@@ -104,23 +141,35 @@ def save(
     tmp: str | None = None
     lock: Releasable | None = None
     error: BaseException | None = None
-    collected = _Collected()
+    collected = Collected(root=root, step=step, keep_last=keep_last)
     try:
         try:
             _check_args(step, keep_last)
             opts = as_optimizers(optimizers)
             check_stateful(scheduler, "scheduler")
             check_stateful(loader, "loader")
-            collected.extras = encode(extras, "extras", None)
-            if scheduler is not None:
-                collected.scheduler = encode(scheduler.state_dict(), "scheduler", None)
-            encoded_loader = None if loader is None else encode(loader.state_dict(), "loader", None)
-            collected.scaler = _grad_scaler_state(state)
-            collected.tensors.update(model_tensors(state, model, for_save=True))
-            collected.optimizers = split_optimizers(
-                state, model, opts, collected.tensors, for_save=True
+            extras = encode(extras, "extras", None)
+            encoded_scheduler = (
+                None if scheduler is None else encode(scheduler.state_dict(), "scheduler", None)
             )
+            encoded_loader = None if loader is None else encode(loader.state_dict(), "loader", None)
+            scaler = _grad_scaler_state(state)
+            tensors: dict[str, torch.Tensor] = model_tensors(state, model, for_save=True)
+            records = split_optimizers(state, model, opts, tensors, for_save=True)
+            collected.tensors = tensors if stage is None else stage(tensors)
             collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
+            collected.manifest = Manifest(
+                step=step,
+                world_size=group.world_size,
+                strategy=core.strategy,
+                state_dict_type=sd_state.type,
+                optimizers=tuple(records),
+                scheduler=encoded_scheduler,
+                grad_scaler=scaler,
+                extras=extras,
+                fprep_version=_fprep_version(),
+                torch_version=str(torch.__version__),
+            )
             if group.rank == 0:
                 root.check_root()
                 lock = root.lock()  # held until this save has published and rotated
@@ -134,48 +183,62 @@ def save(
             if tmp is not None:
                 root.discard(tmp)
             raise
-        tmp = names[0]
-        _write_tensors(root, tmp, collected, group)
-        manifest = Manifest(
-            step=step,
-            world_size=group.world_size,
-            strategy=core.strategy,
-            state_dict_type=sd_state.type,
-            optimizers=tuple(collected.optimizers),
-            scheduler=collected.scheduler,
-            grad_scaler=collected.scaler,
-            extras=collected.extras,
-            fprep_version=_fprep_version(),
-            torch_version=str(torch.__version__),
-        )
-        return _publish(root, tmp, manifest, collected, group, keep_last)
-    finally:
+    except BaseException:
         if lock is not None:
             lock.release()
+        raise
+    collected.tmp, collected.lock = names[0], lock
+    return collected
 
 
-@dataclass
-class _Collected:
-    """What this rank saves, turned into tensors and JSON data before anything is written."""
+def write_and_publish(
+    collected: Collected, group: Group, *, process_group: Any = None, progress: bool = True
+) -> Path | str:
+    """Steps 3 to 5: write the tensors and ``metadata.json``, then (rank 0) the manifest;
+    publish; release the lock. Every collective runs on ``group`` (and DCP's on
+    ``process_group``, None for the default group). ``progress``: rank 0 may draw a progress
+    line."""
+    try:
+        _write_tensors(collected, group, process_group=process_group, progress=progress)
+        return _publish(collected, group)
+    finally:
+        if collected.lock is not None:
+            collected.lock.release()
+            collected.lock = None
 
+
+@dataclass(kw_only=True)
+class Collected:
+    """A save's foreground part done: every value to write, the staging place made, the lock
+    held (rank 0). ``tensors`` are this rank's (the live ones for a synchronous save, staged
+    host copies for an asynchronous one; emptied once written); everything else is already
+    JSON data, independent of the live objects."""
+
+    root: Store
+    step: int
+    keep_last: int | None
+    tmp: str = ""
+    lock: Releasable | None = None
+    manifest: Manifest | None = None  # without files and ranks, which writing adds
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    optimizers: list[OptimizerRecord] = field(default_factory=list)
-    extras: Any = None
-    scheduler: Any = None
-    scaler: Any = None
     rank: RankRecord = field(default_factory=RankRecord)
     files: dict[str, FileRecord] = field(default_factory=dict)  # written by this rank
 
 
-def _write_tensors(root: Store, tmp: str, collected: _Collected, group: Group) -> None:
-    """Every rank's tensors into ``tmp`` through DCP; the files written go to ``collected``."""
-    writer = root.writer(tmp, progress=group.rank == 0)
+def _write_tensors(
+    collected: Collected, group: Group, *, process_group: Any, progress: bool
+) -> None:
+    """Every rank's tensors into the staging place through DCP; the files written go to
+    ``collected``."""
+    root, tmp = collected.root, collected.tmp
+    writer = root.writer(tmp, progress=progress and group.rank == 0)
     try:
         with group.dcp_call():
             dcp_save(
                 collected.tensors,
                 storage_writer=writer,
                 planner=DefaultSavePlanner(flatten_state_dict=False),
+                process_group=process_group,
                 no_dist=not group.distributed,
             )
     except BaseException as e:  # DCP raises CheckpointException, a BaseException
@@ -183,20 +246,16 @@ def _write_tensors(root: Store, tmp: str, collected: _Collected, group: Group) -
             raise
         _discard(root, tmp, group)
         raise unwrap_dcp_error(e) from None
-    collected.tensors = {}
+    collected.tensors = {}  # written: free them (a full state dict on rank 0 is a whole model)
     collected.files = dict(writer.files)
 
 
-def _publish(
-    root: Store,
-    tmp: str,
-    manifest: Manifest,
-    collected: _Collected,
-    group: Group,
-    keep_last: int | None,
-) -> Path | str:
+def _publish(collected: Collected, group: Group) -> Path | str:
     """Rank 0 completes the manifest with every rank's files and records, writes it, publishes
     and rotates; every rank returns the published directory (or raises the same error)."""
+    root, tmp, keep_last = collected.root, collected.tmp, collected.keep_last
+    manifest = collected.manifest
+    assert manifest is not None  # set by collect before the agreement
     try:
         gathered = group.all_gather((collected.files, collected.rank))
     except BaseException:  # a rank lost after writing: leave no staged files behind

@@ -1,0 +1,228 @@
+"""Asynchronous saves: stage in the foreground, write and publish on a background thread.
+
+``fprep.save(..., wait=False)`` runs ``writing.collect`` in the caller's thread: arguments
+checked, non-tensor state encoded as JSON data, this rank's tensors copied into host buffers
+(``staging.py``), RNG states captured, the ``.tmp-*`` directory made, and all ranks agreed that
+all of it worked. Nothing the thread later reads refers to a live object, so training may change
+the model, optimizers, scheduler, loader and RNGs the moment ``save`` returns. The thread then
+runs ``writing.write_and_publish``: DCP's planning, the writes and BLAKE3 digests, the gather of
+file records to rank 0, the manifest, the atomic publish (the same code, and so the same
+guarantees, as a synchronous save).
+
+Collectives. Those steps need collectives (DCP's plan exchange, the gather of file records,
+the agreement on failures), and gloo runs one collective at a time per group, in the order the
+ranks issue them: a background thread issuing them on the default group would interleave with
+the training loop's (FSDP's all-gathers, DDP's all-reduces) in an order that differs between
+ranks, and hang or mix up payloads. Two ways out: run every collective in the foreground and
+leave the thread only local writes, with a final agreement at the next save or ``wait``; or give
+checkpoint traffic a process group of its own. fprep does the second: a gloo group over all
+ranks, created once (a collective on the default group, in the foreground of the first
+asynchronous save) and used by nothing else, so the thread's collectives never meet the loop's.
+The first way would publish a checkpoint only when the ranks next met (the manifest needs every
+rank's digests), so a run saving every hour would publish each checkpoint an hour late; with
+the group, a checkpoint is published as soon as its bytes are written, every rank's thread ends
+with the same outcome (success, or the same ``CheckpointError``), and ``wait`` is local (it
+joins this rank's thread; no collective, so it may be called on some ranks only).
+
+At most one save is in flight per process: the next ``save`` (either kind), ``load`` and the
+process's exit (an exit hook of ``threading``'s, which runs before ``atexit``'s) wait for it
+first; a failure nobody collected with ``wait`` is raised there (at exit it is printed: an exit
+cannot raise). Before ``destroy_process_group``, call ``wait``: the thread needs the process
+groups until it is done.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fprep.checkpoint import staging
+from fprep.checkpoint.collective import Group
+from fprep.checkpoint.writing import collect, write_and_publish
+from fprep.errors import CheckpointError, PrepError
+from fprep.state import PrepState
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnGroup(Group):
+    """``Group`` over the checkpoint process group (all ranks, their usual rank numbers)."""
+
+    pg: Any = None
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.pg)
+
+
+_lock = threading.Lock()
+_checkpoint_pg: tuple[Any, Any] | None = None  # (the default group it was made in, the group)
+
+
+def _own_group(group: Group) -> _OwnGroup:
+    """The checkpoint group (made on first use, by every rank: a collective on the default
+    group; made again should the default group be replaced)."""
+    global _checkpoint_pg
+    if not group.distributed:
+        return _OwnGroup(False, 0, 1)
+    default = dist.distributed_c10d._get_default_group()
+    if _checkpoint_pg is None or _checkpoint_pg[0] is not default:
+        _checkpoint_pg = (default, dist.new_group(backend="gloo"))
+    return _OwnGroup(True, group.rank, group.world_size, _checkpoint_pg[1])
+
+
+class SaveHandle:
+    """An asynchronous save in flight. ``wait()`` returns the published step directory.
+
+    Returned by ``fprep.save(..., wait=False)`` once this rank's state is staged in host memory.
+    """
+
+    def __init__(self, root: str, step: int) -> None:
+        self.root = root
+        self.step = step
+        self._finished = threading.Event()
+        self._path: Path | str | None = None
+        self._error: BaseException | None = None
+        self._collected = False  # the outcome was handed to someone (wait, or the next save)
+
+    def done(self) -> bool:
+        """Whether the background work is over (published or failed); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self) -> Path | str:
+        """Block until the checkpoint is published; return its step directory.
+
+        Raises the save's ``CheckpointError`` if it failed (on every rank: the ranks agree on
+        the outcome). Local: no collective; may be called any number of times.
+        """
+        self._finished.wait()
+        self._collected = True
+        if self._error is not None:
+            raise self._error
+        assert self._path is not None
+        return self._path
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "published")
+        return f"SaveHandle(step={self.step}, root={str(self.root)!r}, {state})"
+
+    def _run(self, collected: Any, group: _OwnGroup) -> None:
+        try:
+            self._path = write_and_publish(collected, group, process_group=group.pg, progress=False)
+        except BaseException as e:  # everything reaches wait(), nothing dies with the thread
+            self._error = e if isinstance(e, PrepError) else _failed(self.root, e)
+        finally:
+            collected.tensors = {}
+            self._finished.set()
+
+
+def _failed(root: str, error: BaseException) -> CheckpointError:
+    wrapped = CheckpointError(
+        f"saving to {root} failed in the background: {type(error).__name__}: {error}",
+        subject=str(root),
+        hint="The previous checkpoints are untouched; the next save removes what this one left.",
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+_in_flight: SaveHandle | None = None
+
+
+def settle() -> None:
+    """Wait for the save in flight, if any; raise its failure unless ``wait`` already did."""
+    global _in_flight
+    with _lock:
+        handle, _in_flight = _in_flight, None
+    if handle is None:
+        return
+    handle._finished.wait()
+    if not handle._collected:
+        handle.wait()
+
+
+def _at_exit() -> None:
+    try:
+        settle()
+    except BaseException as e:  # an exit cannot raise: say it
+        import sys
+
+        print(f"fprep: the asynchronous checkpoint save failed: {e}", file=sys.stderr)
+
+
+_exit_hook = False
+
+
+def _register_exit(hook: Any) -> None:
+    """Run ``hook`` at exit before ``concurrent.futures`` stops taking work (the writer hashes
+    on a thread pool): ``threading``'s exit hooks run first, newest first, before the
+    interpreter joins threads and long before ``atexit``'s."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython fprep supports has it
+        atexit.register(hook)
+    else:
+        register(hook)
+
+
+def start(
+    path: str | os.PathLike[str],
+    state: PrepState,
+    model: nn.Module,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+    scheduler: Any = None,
+    loader: Any = None,
+    step: int = 0,
+    extras: Any = None,
+    keep_last: int | None = None,
+) -> SaveHandle:
+    """Stage and collect here; write and publish on a background thread (see the module)."""
+    global _in_flight, _exit_hook
+    settle()
+    group = Group.of(state)
+    own = _own_group(group)  # before collect: a collective on the default group
+    collected = collect(
+        path,
+        state,
+        model,
+        optimizers=optimizers,
+        scheduler=scheduler,
+        loader=loader,
+        step=step,
+        extras=extras,
+        keep_last=keep_last,
+        stage=staging.stager_for(model).stage,
+    )
+    handle = SaveHandle(str(collected.root), step)
+    thread = threading.Thread(
+        target=handle._run, args=(collected, own), name="fprep-save", daemon=True
+    )
+    with _lock:
+        _in_flight = handle
+        if not _exit_hook:
+            _register_exit(_at_exit)
+            _exit_hook = True
+    thread.start()
+    return handle
