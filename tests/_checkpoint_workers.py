@@ -14,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import random
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -463,3 +467,33 @@ def two_transactional(root: str) -> dict[str, Any]:
         lambda: fprep.load(saved_picky, state, model, loader=RankPicky())
     )
     return out
+
+
+def killed_save_rounds(root: Path, script: str, rounds: int, seed: int) -> list[int]:
+    """Kill -9 a child saving in a loop (``script``: prints ``ready``, then each step it saved)
+    at a random moment, ``rounds`` times; after each kill, the checkpoint ``load`` finds must
+    be the newest completed save or the one in flight, complete. Returns the steps seen."""
+    rnd = random.Random(seed)
+    completed: list[int] = []
+    for round_ in range(rounds):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(root), str(100 * round_), str(round_)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        completed.append(int(proc.stdout.readline()))  # saving is under way: kill at random
+        time.sleep(rnd.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=30)
+        completed += [int(line) for line in rest.split()]
+        state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
+        info = fprep.load(root, state, model)
+        # the newest completed save, or the one in flight if it got published
+        assert info.step in (completed[-1], completed[-1] + 1)
+        assert info.extras == {"step": info.step}
+        for p in model.parameters():
+            assert torch.equal(p, torch.full_like(p, float(info.step)))
+        completed.append(info.step)
+    return completed

@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import copy
-import random
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -260,30 +258,8 @@ KILLED = textwrap.dedent(
 
 
 def test_killed_background_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
-    rnd = random.Random(2025)
     root = tmp_path / "ckpt"
-    completed: list[int] = []
-    for round_ in range(3):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", KILLED, str(root), str(100 * round_), str(round_)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        completed.append(int(proc.stdout.readline()))  # saving is under way: kill at random
-        time.sleep(rnd.uniform(0.0, 0.3))
-        proc.send_signal(signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=30)
-        completed += [int(line) for line in rest.split()]
-        state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
-        info = fprep.load(root, state, model)
-        # the newest completed save, or the one in flight if it got published
-        assert info.step in (completed[-1], completed[-1] + 1)
-        assert info.extras == {"step": info.step}
-        for p in model.parameters():
-            assert torch.equal(p, torch.full_like(p, float(info.step)))
-        completed.append(info.step)
+    W.killed_save_rounds(root, KILLED, rounds=3, seed=2025)
     state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
     fprep.save(root, state, model, step=999, keep_last=3, wait=False).wait()
     names = sorted(p.name for p in root.iterdir())
