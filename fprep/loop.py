@@ -29,7 +29,7 @@ from fprep.apply.steps import handles_of
 from fprep.collectives import collective
 from fprep.data import PreparedDataLoader
 from fprep.errors import PrepareError
-from fprep.ranks import all_gather, data_parallel_groups
+from fprep.ranks import all_gather, data_parallel_groups, guarded
 from fprep.state import PrepState, need
 
 
@@ -224,8 +224,7 @@ def gather_for_metrics(
         return tensor
     size = torch.tensor([tensor.shape[0]], device=tensor.device)
     # per batch: no arrival wait, but a lost rank or a timeout is a CollectiveError naming it
-    group = groups[0] if len(groups) == 1 else None  # a mesh: the whole job
-    with collective("fprep.gather_for_metrics", state.config.timeout_s, group, arrive=False):
+    with guarded(state, groups, "fprep.gather_for_metrics", arrive=False):
         counts = [int(s.item()) for s in all_gather(size, groups, call="fprep.gather_for_metrics")]
         longest = max(counts)
         padded = tensor
