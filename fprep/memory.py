@@ -39,7 +39,8 @@ class MemoryEstimate:
         return self.params + self.grads + self._states(optimizer) + self.comm_buffers
 
     def checkpoint_staging(self, optimizer: str = "adam") -> int:
-        """Host bytes an asynchronous save stages (parameters and optimizer state), kept and
+        """Host bytes an asynchronous save may stage (parameters and optimizer state: at most
+        this; only what the background has not written by the next optimizer step), kept and
         reused from one save to the next (0 unless estimated with ``async_checkpoint``)."""
         return self.staged_params + (self._states(optimizer) if self.staged_params else 0)
 

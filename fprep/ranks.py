@@ -21,6 +21,7 @@ import contextlib
 import math
 import numbers
 import random
+import sys
 from typing import Any, Literal, get_args
 
 import torch
@@ -235,7 +236,14 @@ def end_training(state: PrepState) -> bool:
     after this one was ended (calling it twice is harmless). Afterwards the state's collectives
     (``reduce``, ``gather_for_metrics``, ...) raise a PrepareError; a new ``prepare`` in the same
     process creates a new group.
+
+    An asynchronous checkpoint save in flight is waited for first (its thread needs the process
+    groups); its failure, if nobody collected it, is raised here and nothing is destroyed (call
+    ``end_training`` again).
     """
+    background = sys.modules.get("fprep.checkpoint.background")  # only if a save ever ran
+    if background is not None:
+        background.settle()
     handles = handles_of(state)
     if not handles.owns_process_group or not _alive(handles.process_group):
         return False

@@ -6,6 +6,7 @@ Ranks return plain data (booleans, error strings); the tests assert in the paren
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,37 @@ def values_at_the_call(root: str) -> dict[str, Any]:
         out[f"{strategy}_loader"] = l2.state_dict() == {"epoch": 0, "batches": W.N_STEPS}
         out[f"{strategy}_step"] = info.step
         out[f"{strategy}_published"] = path.name
+        out[f"{strategy}_held"] = held_until_the_step(base / "held", strategy)
     return out
+
+
+def held_until_the_step(base: Path, strategy: str) -> bool:
+    """The background write starts only once the next step reached ``optimizer.step``: the
+    forward and backward (FSDP's all-gathers, DDP's buffer broadcast) run while the live tensors
+    are guarded, the step's hook copies them all, and the checkpoint still holds the values at
+    the call (no version counter moved before the step)."""
+    state, model, opt, sched, loader = W.prepared(strategy)
+    trainer = W.Trainer(state, model, opt, sched, loader)
+    trainer.run(2)
+    at_call = W.full_state(model, opt)
+    gate = threading.Event()
+    real = SafeWriter.write_data
+
+    def held(self: SafeWriter, *args: Any, **kwargs: Any) -> Any:
+        gate.wait(timeout=60)
+        return real(self, *args, **kwargs)
+
+    SafeWriter.write_data = held  # type: ignore[method-assign]
+    try:
+        handle = fprep.save(base, state, model, optimizers=(opt,), step=2, wait=False)
+        opt.register_step_pre_hook(lambda *_: gate.set())
+        trainer.run(1)
+        path = handle.wait()
+    finally:
+        SafeWriter.write_data = real  # type: ignore[method-assign]
+    s2, m2, o2, *_ = W.prepared(strategy, seed=31)
+    fprep.load(path, s2, m2, optimizers=(o2,))
+    return same_full(W.full_state(m2, o2), at_call)
 
 
 def one_rank_fails(root: str) -> dict[str, Any]:

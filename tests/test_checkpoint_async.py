@@ -2,7 +2,10 @@
 
 * the checkpoint holds the values at the call, though training changes them at once (one
   process here; 2 ranks with fsdp and ddp below), non-tensor state included;
-* the staging buffers are allocated once and reused by the next saves;
+* the staging buffers are allocated once and reused by the next saves; what the background
+  wrote before the next optimizer step is never copied; a step waits for the tensor being
+  written; a change outside the optimizer fails the save by name unless ``handle.stage()``
+  came first;
 * at most one save in flight: the next save and ``load`` wait for it; a failure reaches
   ``wait``, or the next save when nobody waited, and the previous checkpoint stays loadable;
 * the process's exit waits for a save in flight (and reports its failure);
@@ -76,20 +79,130 @@ def test_the_checkpoint_holds_the_values_at_the_call(tmp_path: Path) -> None:
     assert torch.equal(torch.get_rng_state(), rng_at_call)  # restored: the RNG at the call
 
 
-def test_staging_buffers_are_allocated_once(tmp_path: Path) -> None:
+@pytest.fixture
+def held_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An asynchronous save's write starts only once the returned event is set (tests set it)."""
+    real = SafeWriter.write_data
+    gate = threading.Event()
+
+    def held(self: SafeWriter, *args: Any, **kwargs: Any) -> Any:
+        if self.guard is not None:
+            gate.wait(timeout=60)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SafeWriter, "write_data", held)
+    return gate
+
+
+def loads_model(path: Path, want: dict[str, torch.Tensor]) -> bool:
+    """The checkpoint at ``path`` loads into a fresh model as exactly ``want``."""
+    s2, m2, *_ = W.prepared("none", seed=5)
+    fprep.load(path, s2, m2)
+    return all(torch.equal(v, want[k]) for k, v in m2.state_dict().items())
+
+
+def _live_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """(bytes the optimizer owns: parameters and state, bytes of the other model tensors)"""
+    owned = {p.data_ptr() for g in opt.param_groups for p in g["params"]}
+    size = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    other = 0
+    for t in model.state_dict().values():
+        if t.data_ptr() in owned:
+            size += t.numel() * t.element_size()
+        else:
+            other += t.numel() * t.element_size()
+    return size, other
+
+
+def test_staging_buffers_are_allocated_once(tmp_path: Path, held_writer: threading.Event) -> None:
     state, model, opt, sched, loader = trained()
-    fprep.save(tmp_path, state, model, optimizers=(opt,), step=1, wait=False).wait()
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=1, wait=False)
+    W.Trainer(state, model, opt, sched, loader).run(1)  # the step copies what was not written
+    held_writer.set()
+    handle.wait()
     stager = staging.stager_for(model)
     first = {k: b.data_ptr() for k, b in stager.buffers.items()}
-    live = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    live += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
-    assert stager.nbytes == live  # one more copy of this rank's model and optimizer state
+    owned, other = _live_bytes(model, opt)
+    assert stager.nbytes == owned + other  # one more copy of this rank's model and optimizer
     for step in (2, 3):
+        handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=step, wait=False)
         W.Trainer(state, model, opt, sched, loader).run(1)
-        fprep.save(tmp_path, state, model, optimizers=(opt,), step=step, wait=False).wait()
+        handle.wait()
         assert {k: b.data_ptr() for k, b in stager.buffers.items()} == first
     staging.release(model)
     assert staging.stager_for(model).nbytes == 0
+
+
+def test_what_the_background_wrote_before_the_step_is_never_copied(tmp_path: Path) -> None:
+    state, model, opt, sched, loader = trained()
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=1, wait=False)
+    path = handle.wait()  # written before the next step
+    want = copy.deepcopy(model.state_dict())
+    W.Trainer(state, model, opt, sched, loader).run(1)  # nothing left to copy: no hold
+    owned, other = _live_bytes(model, opt)
+    assert owned > 0 and staging.stager_for(model).nbytes == other  # the buffer only
+    assert loads_model(path, want)
+
+
+def test_the_step_waits_for_the_tensor_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, model, opt, sched, loader = trained()
+    want = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    real = SafeWriter._read
+    reading, gate = threading.Event(), threading.Event()
+
+    def slow_read(self: SafeWriter, planner: Any, item: Any) -> Any:
+        out = real(self, planner, item)
+        if out[1] is not None and not reading.is_set():  # a live tensor: slow to write
+            reading.set()
+            gate.wait(timeout=60)
+        return out
+
+    monkeypatch.setattr(SafeWriter, "_read", slow_read)
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=1, wait=False)
+    assert reading.wait(timeout=60)
+    threading.Timer(0.3, gate.set).start()
+    start = time.perf_counter()
+    W.Trainer(state, model, opt, sched, loader).run(1)
+    assert time.perf_counter() - start >= 0.25  # the step waited for that write
+    path = handle.wait()
+    s2, m2, o2, *_ = W.prepared("none", seed=5)
+    fprep.load(path, s2, m2, optimizers=(o2,))
+    assert all(torch.equal(v, want[0][k]) for k, v in m2.state_dict().items())
+    osd = o2.state_dict()
+    for i, entry in want[1]["state"].items():
+        assert all(torch.equal(osd["state"][i][k], v) for k, v in entry.items())
+
+
+def test_a_change_outside_the_optimizer_fails_the_save_by_name(
+    tmp_path: Path, held_writer: threading.Event
+) -> None:
+    state, model, opt, *_ = trained()
+    fprep.save(tmp_path, state, model, optimizers=(opt,), step=1)
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=2, wait=False)
+    with torch.no_grad():
+        model.odd.mul_(2)  # not through opt.step(), and handle.stage() was not called
+    held_writer.set()
+    with pytest.raises(CheckpointError, match=r"model 'odd' was changed in place") as caught:
+        handle.wait()
+    assert caught.value.subject == "model/odd" and "handle.stage()" in caught.value.hint
+    s2, m2, *_ = W.prepared("none", seed=5)
+    assert fprep.load(tmp_path, s2, m2).step == 1  # nothing torn was published
+
+
+def test_stage_lets_the_loop_change_tensors_any_way(
+    tmp_path: Path, held_writer: threading.Event
+) -> None:
+    state, model, opt, *_ = trained()
+    want = copy.deepcopy(model.state_dict())
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=2, wait=False)
+    handle.stage()  # copies what the save has not read
+    with torch.no_grad():
+        model.odd.mul_(2)
+    held_writer.set()
+    path = handle.wait()
+    assert loads_model(path, want)
 
 
 def test_the_next_save_and_load_wait_for_the_one_in_flight(
@@ -290,6 +403,7 @@ def test_two_ranks_fsdp_and_ddp_save_the_values_at_the_call(
             assert r[f"{strategy}_equal"] is True, strategy
             assert r[f"{strategy}_lr"] is True and r[f"{strategy}_loader"] is True
             assert r[f"{strategy}_reused"] is True, strategy
+            assert r[f"{strategy}_held"] is True, strategy
             assert r[f"{strategy}_step"] == W.N_STEPS
             assert r[f"{strategy}_published"] == f"step-{W.N_STEPS:08d}"
 
@@ -302,3 +416,13 @@ def test_a_failure_on_one_rank_reaches_every_ranks_wait(two_ranks: list[dict[str
         assert "__1_0.distcp: No space left on device" in r["error"]
         assert r["step_after_failure"] == 1 and r["step_after_retry"] == 3
         assert r["leftovers"] == []
+
+
+def test_end_training_waits_for_the_save_in_flight(
+    tmp_path: Path, held_writer: threading.Event
+) -> None:
+    state, model, opt, *_ = trained()
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=1, wait=False)
+    threading.Timer(0.3, held_writer.set).start()
+    fprep.end_training(state)  # no group of fprep's to destroy here, but a save to finish
+    assert handle.done() and handle.wait().name == "step-00000001"

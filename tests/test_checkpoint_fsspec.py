@@ -224,3 +224,15 @@ def test_two_ranks_round_trip_and_reshard_to_one(tmp_path: Path) -> None:
     info = fprep.load(url, s, m, optimizers=o)
     assert info.world_size == 2 and not info.rng_restored
     exact(W.full_state(m, o), W.undump(results[0]["saved"]))
+
+
+def test_an_asynchronous_save_to_a_url_holds_the_values_at_the_call(url: str) -> None:
+    state, model, opt, sched, loader = trained()
+    want = W.full_state(model, opt)
+    handle = fprep.save(url, state, model, optimizers=opt, step=2, wait=False)
+    W.Trainer(state, model, opt, sched, loader).run(2)  # the optimizer steps while it writes
+    assert handle.wait() == f"{url}/step-00000002"
+    assert names(url) == ["latest", "step-00000002"]
+    s, m, o, *_ = fresh()
+    assert fprep.load(url, s, m, optimizers=o).step == 2
+    exact(W.full_state(m, o), want)

@@ -1,10 +1,11 @@
 """Asynchronous saves: stage in the foreground, write and publish on a background thread.
 
 ``fprep.save(..., wait=False)`` runs ``writing.collect`` in the caller's thread: arguments
-checked, non-tensor state encoded as JSON data, this rank's tensors copied into host buffers
-(``staging.py``), RNG states captured, the ``.tmp-*`` directory made, and all ranks agreed that
-all of it worked. Nothing the thread later reads refers to a live object, so training may change
-the model, optimizers, scheduler, loader and RNGs the moment ``save`` returns. The thread then
+checked, non-tensor state encoded as JSON data, the tensors that may change before the next
+optimizer step copied into host buffers (``staging.py``) and the others guarded (``guard.py``:
+the optimizers' next ``step()`` copies what the thread has not read yet), RNG states captured,
+the ``.tmp-*`` directory made, and all ranks agreed that all of it worked. Training may go on
+the moment ``save`` returns: the thread reads nothing live that could change under it. It then
 runs ``writing.write_and_publish``: DCP's planning, the writes and BLAKE3 digests, the gather of
 file records to rank 0, the manifest, the atomic publish (the same code, and so the same
 guarantees, as a synchronous save).
@@ -47,6 +48,7 @@ from torch import nn
 
 from fprep.checkpoint import staging
 from fprep.checkpoint.collective import Group
+from fprep.checkpoint.guard import Guard, guardable
 from fprep.checkpoint.writing import collect, write_and_publish
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState
@@ -96,12 +98,14 @@ def _own_group(group: Group) -> _OwnGroup:
 class SaveHandle:
     """An asynchronous save in flight. ``wait()`` returns the published step directory.
 
-    Returned by ``fprep.save(..., wait=False)`` once this rank's state is staged in host memory.
+    Returned by ``fprep.save(..., wait=False)`` once this rank's state is staged (or guarded
+    until the next optimizer step: ``guard.py``).
     """
 
-    def __init__(self, root: str, step: int) -> None:
+    def __init__(self, root: str, step: int, guard: Guard | None = None) -> None:
         self.root = root
         self.step = step
+        self._guard = guard
         self._finished = threading.Event()
         self._path: Path | str | None = None
         self._error: BaseException | None = None
@@ -124,6 +128,17 @@ class SaveHandle:
         assert self._path is not None
         return self._path
 
+    def stage(self) -> None:
+        """Copy into host memory whatever of the guarded tensors the background has not read
+        yet, so that they may change now; local, returns at once when nothing is left.
+
+        The optimizers passed to ``save`` do this by themselves at their next ``step()``; call
+        it before changing parameters or optimizer state any other way while the save is in
+        flight (otherwise the save fails, naming the tensor; see docs/checkpoints.md).
+        """
+        if self._guard is not None:
+            self._guard.protect()
+
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._error else "published")
         return f"SaveHandle(step={self.step}, root={str(self.root)!r}, {state})"
@@ -135,6 +150,8 @@ class SaveHandle:
             self._error = e if isinstance(e, PrepError) else _failed(self.root, e)
         finally:
             collected.tensors = {}
+            if self._guard is not None:
+                self._guard.close()
             self._finished.set()
 
 
@@ -186,6 +203,24 @@ def _register_exit(hook: Any) -> None:
         register(hook)
 
 
+class _Staging:
+    """``collect``'s staging step: copy what may change before the next optimizer step, guard
+    the rest (``guard.py``)."""
+
+    def __init__(self, stager: staging.Stager) -> None:
+        self.stager = stager
+        self.guard: Guard | None = None
+
+    def __call__(
+        self, tensors: dict[str, torch.Tensor], optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> dict[str, torch.Tensor]:
+        live = guardable(tensors, optimizers)
+        staged = self.stager.stage(tensors, skip=live)
+        if live:
+            self.guard = Guard({k: tensors[k] for k in live}, self.stager, optimizers)
+        return staged
+
+
 def start(
     path: str | os.PathLike[str],
     state: PrepState,
@@ -203,19 +238,26 @@ def start(
     settle()
     group = Group.of(state)
     own = _own_group(group)  # before collect: a collective on the default group
-    collected = collect(
-        path,
-        state,
-        model,
-        optimizers=optimizers,
-        scheduler=scheduler,
-        loader=loader,
-        step=step,
-        extras=extras,
-        keep_last=keep_last,
-        stage=staging.stager_for(model).stage,
-    )
-    handle = SaveHandle(str(collected.root), step)
+    stage = _Staging(staging.stager_for(model))
+    try:
+        collected = collect(
+            path,
+            state,
+            model,
+            optimizers=optimizers,
+            scheduler=scheduler,
+            loader=loader,
+            step=step,
+            extras=extras,
+            keep_last=keep_last,
+            stage=stage,
+        )
+    except BaseException:
+        if stage.guard is not None:
+            stage.guard.close()
+        raise
+    collected.guard = stage.guard
+    handle = SaveHandle(str(collected.root), step, stage.guard)
     thread = threading.Thread(
         target=handle._run, args=(collected, own), name="fprep-save", daemon=True
     )

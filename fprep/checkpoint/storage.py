@@ -73,6 +73,7 @@ from fprep.checkpoint.files import (
     record_of,
     write_durable,
 )
+from fprep.checkpoint.guard import Guard
 from fprep.errors import CheckpointError
 from fprep.progress import Progress
 
@@ -181,8 +182,11 @@ class _Hasher:
         self._pending: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._in_flight = 0
 
-    def update(self, view: Any, owner: Any) -> None:
+    def update(self, view: Any, owner: Any, then: Callable[[], object] | None = None) -> None:
+        """Hash ``view`` after what came before; ``then()`` runs once it is hashed (or failed)."""
         job = self._pool.submit(self._digest.update, view)
+        if then is not None:
+            job.add_done_callback(lambda _: then())
         self._pending.append((job, (view, owner), len(view)))
         self._in_flight += len(view)
         while self._in_flight > _IN_FLIGHT and self._pending:
@@ -229,6 +233,8 @@ class SafeWriter(StorageWriter):
         self.progress = progress
         self.files: dict[str, FileRecord] = {}
         self.rank = 0
+        #: an asynchronous save's live tensors (``guard.py``): told what is read, and when
+        self.guard: Guard | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -253,6 +259,8 @@ class SafeWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         _little_endian()
+        if self.guard is not None:
+            self.guard.expect(collections.Counter(item.index.fqn for item in plan.items))
         buckets = split(plan.items)
         names = [f"{plan.storage_data}{j}.distcp" for j in range(len(buckets))]
         results: list[WriteResult] = []
@@ -268,6 +276,9 @@ class SafeWriter(StorageWriter):
                     ]
                 for job in jobs:
                     results += job.result()
+        changed = None if self.guard is None else self.guard.failure()
+        if changed is not None:
+            raise changed
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -287,15 +298,17 @@ class SafeWriter(StorageWriter):
         with self._open(name) as f, _Hasher() as hasher:
             position = written_back = 0
             for item in items:
-                t = self._tensor(planner, item)
                 pad = -position % ALIGN
                 if pad:
                     f.write(_ZEROS[:pad])
                     hasher.update(_ZEROS[:pad], None)
                     position += pad
+                t, read = self._read(planner, item)
                 view = byte_view(t)
-                f.write(view)
-                hasher.update(view, t)  # hashed in order on another thread
+                try:
+                    f.write(view)
+                finally:
+                    hasher.update(view, t, read)  # hashed in order on another thread
                 nbytes = t.numel() * t.element_size()
                 results.append(
                     WriteResult(
@@ -320,9 +333,27 @@ class SafeWriter(StorageWriter):
     def _open(self, name: str) -> IO[bytes]:
         return open(self.path / name, "wb") if self.opener is None else self.opener(name)
 
+    def _read(
+        self, planner: SavePlanner, item: Any
+    ) -> tuple[torch.Tensor, Callable[[], object] | None]:
+        """The chunk to write, and what to call once its bytes are written and hashed (a live
+        tensor of an asynchronous save: until then the guard keeps the optimizer off it)."""
+        if self.guard is None:
+            return self._tensor(planner, item), None
+        guard, key = self.guard, item.index.fqn
+        staged = guard.begin(item)
+        if staged is not None:
+            return self._tensor(planner, item, staged), None
+        try:
+            return self._tensor(planner, item), lambda: guard.end(key)
+        except BaseException:
+            guard.end(key)
+            raise
+
     @staticmethod
-    def _tensor(planner: SavePlanner, item: Any) -> torch.Tensor:
-        data = planner.resolve_data(item)
+    def _tensor(planner: SavePlanner, item: Any, data: Any = None) -> torch.Tensor:
+        if data is None:
+            data = planner.resolve_data(item)
         if not isinstance(data, torch.Tensor) or item.tensor_data is None:
             raise CheckpointError(
                 f"checkpoint entry {item.index.fqn!r} is not a tensor.", subject=item.index.fqn

@@ -37,10 +37,16 @@ from fprep.checkpoint.backend import Releasable, Store, open_store
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import encode
 from fprep.checkpoint.files import FileRecord
+from fprep.checkpoint.guard import Guard
 from fprep.checkpoint.manifest import Manifest, RankRecord
 from fprep.checkpoint.states import model_tensors, split_optimizers
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState, need
+
+#: ``collect``'s staging step: this rank's tensors and the optimizers -> what the writer reads
+Stage = Callable[
+    [dict[str, torch.Tensor], tuple[torch.optim.Optimizer, ...]], dict[str, torch.Tensor]
+]
 
 
 def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
@@ -126,11 +132,12 @@ def collect(
     step: int = 0,
     extras: Any = None,
     keep_last: int | None = None,
-    stage: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    stage: Stage | None = None,
 ) -> Collected:
     """Steps 1 and 2: check and collect everything, take the lock, make the staging place,
-    agree. ``stage`` (asynchronous saves) replaces the live tensors by copies before the
-    agreement, so that a rank failing to stage fails every rank. Collectives: the default
+    agree. ``stage(tensors, optimizers)`` (asynchronous saves) replaces the live tensors by
+    copies, or guards them (``guard.py``), before the agreement, so that a rank failing to
+    stage fails every rank. Collectives: the default
     group only. The lock a returned ``Collected`` holds is released by ``write_and_publish``.
     """
     root = open_store(path)  # the same on every rank: a URL without fsspec fails on each
@@ -156,7 +163,7 @@ def collect(
             scaler = _grad_scaler_state(state)
             tensors: dict[str, torch.Tensor] = model_tensors(state, model, for_save=True)
             records = split_optimizers(state, model, opts, tensors, for_save=True)
-            collected.tensors = tensors if stage is None else stage(tensors)
+            collected.tensors = tensors if stage is None else stage(tensors, opts)
             collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
             collected.manifest = Manifest(
                 step=step,
@@ -223,6 +230,7 @@ class Collected:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     rank: RankRecord = field(default_factory=RankRecord)
     files: dict[str, FileRecord] = field(default_factory=dict)  # written by this rank
+    guard: Guard | None = None  # an asynchronous save's live tensors (``guard.py``)
 
 
 def _write_tensors(
@@ -232,6 +240,7 @@ def _write_tensors(
     ``collected``."""
     root, tmp = collected.root, collected.tmp
     writer = root.writer(tmp, progress=progress and group.rank == 0)
+    writer.guard = collected.guard
     try:
         with group.dcp_call():
             dcp_save(
