@@ -426,3 +426,38 @@ def test_end_training_waits_for_the_save_in_flight(
     threading.Timer(0.3, held_writer.set).start()
     fprep.end_training(state)  # no group of fprep's to destroy here, but a save to finish
     assert handle.done() and handle.wait().name == "step-00000001"
+
+
+def test_a_transformers_model_with_tied_weights_saves_the_values_at_the_call(
+    tmp_path: Path, held_writer: threading.Event
+) -> None:
+    """GPT-2 ties lm_head to wte (two keys, one storage) and brings no reset_parameters."""
+    from _weights_workers import gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    def build() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(gpt2_config())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return fprep.prepare(model, fprep.PrepConfig(), opt)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        ids = torch.arange(12).reshape(2, 6)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    state, model, opt = build()
+    step(model, opt)
+    want = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    handle = fprep.save(tmp_path, state, model, optimizers=(opt,), step=1, wait=False)
+    step(model, opt)  # its optimizer.step() copies everything: nothing is written yet
+    step(model, opt)
+    held_writer.set()
+    path = handle.wait()
+    s2, m2, o2 = build()
+    fprep.load(path, s2, m2, optimizers=(o2,))
+    assert m2.lm_head.weight is m2.transformer.wte.weight  # still tied
+    assert all(torch.equal(v, want[0][k]) for k, v in m2.state_dict().items())
+    for i, entry in want[1]["state"].items():
+        assert all(torch.equal(o2.state_dict()["state"][i][k], v) for k, v in entry.items())

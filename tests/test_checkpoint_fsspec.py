@@ -236,3 +236,41 @@ def test_an_asynchronous_save_to_a_url_holds_the_values_at_the_call(url: str) ->
     s, m, o, *_ = fresh()
     assert fprep.load(url, s, m, optimizers=o).step == 2
     exact(W.full_state(m, o), want)
+
+
+def test_export_full_to_a_url_is_plain_safetensors_and_appears_whole(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load as load_bytes
+
+    from fprep.checkpoint import sink
+
+    state, model, *_ = trained()
+    target = f"{url}/export/model.safetensors"
+    assert fprep.export_full(target, state, model) == target
+    fs, path = fsspec.core.url_to_fs(target)
+    got = load_bytes(fs.cat_file(path))
+    assert got.keys() == model.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    assert names(f"{url}/export") == ["model.safetensors"]  # nothing temporary left
+    # a failure half way: the previous export stays whole, nothing else appears
+    real_write = sink.UrlSink.write
+    calls = [0]
+
+    def failing_write(self: sink.UrlSink, data: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(28, "No space left on device")
+        real_write(self, data)
+
+    monkeypatch.setattr(sink.UrlSink, "write", failing_write)
+    with torch.no_grad():
+        next(model.parameters()).add_(1)
+    with pytest.raises(CheckpointError, match="No space left on device") as caught:
+        fprep.export_full(target, state, model)
+    assert caught.value.subject == target
+    assert load_bytes(fs.cat_file(path)).keys() == got.keys()
+    assert all(torch.equal(v, got[k]) for k, v in load_bytes(fs.cat_file(path)).items())
+    assert names(f"{url}/export") == ["model.safetensors"]
+    with pytest.raises(CheckpointError, match="it is a directory"):
+        fprep.export_full(f"{url}/export", state, model)

@@ -158,8 +158,9 @@ def load(
         )
 
 
-def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path:
-    """Write the full model to one safetensors file at ``path``; call it on every rank.
+def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path | str:
+    """Write the full model to one safetensors file at ``path`` (or an fsspec URL, returned as
+    the ``str`` it is); call it on every rank.
 
     Original FQNs, buffers in their original dtype, readable by plain ``safetensors``. Rank 0
     writes, one tensor at a time (memory bounded by one tensor beyond the shards).

@@ -12,7 +12,8 @@ point to point, each written as it arrives: two receive buffers of one shard eac
 (reused for every tensor), nothing beyond the shard elsewhere. (``DTensor.full_tensor()`` would
 all-gather onto every rank, and gloo's all-gather and gather stage a second full copy.) Other
 DTensors use ``full_tensor()``.
-The file appears atomically (a temporary file, fsynced, then ``os.replace``). Any ``OSError``
+The file appears whole or not at all (``sink.py``: a temporary file, fsynced, then
+``os.replace``; at an fsspec URL the file system's one-file transaction). Any ``OSError``
 (permissions, a full disk, a path that is a directory or runs through a file) becomes a
 ``CheckpointError`` naming the path and what to do, raised on every rank; the temporary file is
 removed and an existing file at ``path`` is left as it was.
@@ -20,10 +21,8 @@ removed and an existing file at ``path`` is left as it was.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from fprep.checkpoint.backend import is_url
 from fprep.checkpoint.collective import Group
-from fprep.checkpoint.files import fsync_dir, os_failure
+from fprep.checkpoint.files import os_failure
+from fprep.checkpoint.sink import Sink, open_sink
 from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.storage import byte_view, progress
 from fprep.errors import CheckpointError
@@ -86,17 +87,18 @@ def header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path:
-    """Write ``path`` (one ``.safetensors`` file) with the full model; call it on every rank.
+def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path | str:
+    """Write ``path`` (one ``.safetensors`` file, or an fsspec URL) with the full model; call it
+    on every rank.
 
-    Returns ``path``. Rank 0 writes; every rank takes part in the gathers.
+    Returns ``path`` (a ``Path``; the URL, a ``str``, for a URL). Rank 0 writes; every rank
+    takes part in the gathers.
     """
     group = Group.of(state)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    target: Path | str = str(path) if is_url(path) else Path(path)
     error: BaseException | None = None
     values: list[tuple[str, torch.Tensor, torch.dtype]] = []
-    handle: Any = None
+    sink: Sink | None = None
     try:
         originals = buffer_dtypes(state)
         for name, value in get_model_state_dict(model).items():
@@ -104,21 +106,14 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
                 values.append((name, value, originals.get(name, value.dtype)))
         head = header([(n, d, tuple(v.shape)) for n, v, d in values])
         if group.rank == 0:
-            if target.is_dir():
-                raise CheckpointError(
-                    f"cannot export to {target}: it is a directory.",
-                    subject=str(target),
-                    hint=f"Pass the path of a file, e.g. {target / 'model.safetensors'}.",
-                )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(tmp, "wb")  # noqa: SIM115 - closed below, after the collectives
-            handle.write(head)
+            sink = open_sink(path)
+            sink.write(head)
     except Exception as e:
         error = _failed(e, target)
     try:
         group.agree(error)
     except BaseException:
-        _discard(handle, tmp)
+        _discard(sink)
         raise
     error = None
     buffers = _Buffers()
@@ -128,26 +123,22 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
         with bar:
             for _name, value, dtype in values:
                 for part in _pieces(value.detach(), buffers):  # collectives: every rank, in order
-                    if handle is not None and error is None:
+                    if sink is not None and error is None:
                         try:
                             data = part.to(device="cpu", dtype=dtype).contiguous()
-                            handle.write(byte_view(data))
+                            sink.write(byte_view(data))
                             bar.advance(data.numel() * data.element_size())
                             del data
                         except Exception as e:  # keep taking part in the gathers; report later
                             error = _failed(e, target)
                     del part
-        if handle is not None and error is None:
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
-            handle = None
+        if sink is not None and error is None:
+            sink.commit()
+            sink = None
     except Exception as e:
         error = _failed(e, target)
     finally:
-        _discard(handle, tmp)
+        _discard(sink)
     group.agree(error)
     return target
 
@@ -247,7 +238,7 @@ def _pieces(value: torch.Tensor, buffers: _Buffers) -> Any:
         post(slot)  # the buffer was written: reuse it for the next sender
 
 
-def _failed(error: Exception, target: Path) -> Exception:
+def _failed(error: Exception, target: Path | str) -> Exception:
     """An ``OSError`` as a ``CheckpointError`` about ``target``; anything else as it is."""
     if not isinstance(error, OSError):
         return error
@@ -260,9 +251,6 @@ def _failed(error: Exception, target: Path) -> Exception:
     )
 
 
-def _discard(handle: Any, tmp: Path) -> None:
-    if handle is not None:
-        with contextlib.suppress(OSError):  # closing flushes: a full disk fails again here
-            handle.close()
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+def _discard(sink: Sink | None) -> None:
+    if sink is not None:
+        sink.discard()

@@ -47,7 +47,7 @@ from fprep.errors import CheckpointError
 from fprep.progress import Progress
 
 
-def _url_to_fs(url: str) -> tuple[Any, str]:
+def file_system(url: str) -> tuple[Any, str]:
     """fsspec's file system and path for ``url``; a ``CheckpointError`` without fsspec or for a
     scheme no installed file system serves."""
     try:
@@ -172,7 +172,7 @@ class FsspecStore:
 
     @classmethod
     def open(cls, url: str) -> FsspecStore:
-        fs, path = _url_to_fs(url)
+        fs, path = file_system(url)
         return cls(fs, path, url)
 
     def __str__(self) -> str:
@@ -331,5 +331,5 @@ class FsspecStore:
         return f"{self.url}/{name}", pinned
 
     def step(self, location: str) -> StepFiles:
-        fs, path = _url_to_fs(location)
+        fs, path = file_system(location)
         return FsspecStep(fs, path, location.rstrip("/"))
