@@ -370,9 +370,34 @@ KILLED = textwrap.dedent(
 )
 
 
-def test_killed_background_saves_leave_a_loadable_checkpoint(tmp_path: Path) -> None:
+# The same, with the parameters read live (guard.py): the optimizer passed to save changes them
+# (SGD, lr=1, gradient p + 1: every parameter becomes -1), so its step waits for what the
+# background has not written, and copies it.
+KILLED_GUARDED = (
+    KILLED.replace(
+        "state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())",
+        "model = nn.Linear(256, 256)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n"
+        "state, model, opt = fprep.prepare(model, fprep.PrepConfig(), opt)",
+    )
+    .replace("step=step, keep_last=3,", "optimizers=(opt,), step=step, keep_last=3,")
+    .replace(
+        "    with torch.no_grad():  # training goes on: none of this may reach the checkpoint\n"
+        "        for p in model.parameters():\n"
+        "            p.fill_(-1.0)",
+        "    for p in model.parameters():  # training goes on: none of this may reach it\n"
+        "        p.grad = p.detach() + 1.0\n"
+        "    opt.step()",
+    )
+)
+
+
+@pytest.mark.parametrize("script", [KILLED, KILLED_GUARDED], ids=["copied", "read live"])
+def test_killed_background_saves_leave_a_loadable_checkpoint(tmp_path: Path, script: str) -> None:
+    guarded = script is KILLED_GUARDED  # (and every replacement above took)
+    assert script.count("opt.step()") + script.count("optimizers=(opt,)") == 2 * guarded
     root = tmp_path / "ckpt"
-    W.killed_save_rounds(root, KILLED, rounds=3, seed=2025)
+    W.killed_save_rounds(root, script, rounds=3, seed=2025)
     state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
     fprep.save(root, state, model, step=999, keep_last=3, wait=False).wait()
     names = sorted(p.name for p in root.iterdir())
