@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeAlias, get_args
 from torch import nn
 
 from fprep.errors import ConfigError
+from fprep.migrate import accelerate_fields
 from fprep.snapshot import ModuleInfo
 
 Strategy = Literal["auto", "none", "ddp", "fast_ddp", "fsdp", "hsdp"]
@@ -400,9 +401,7 @@ class PrepConfig:
     @classmethod
     def from_accelerate(cls, source: Any, **overrides: Any) -> PrepConfig:
         """Read an Accelerate config file (YAML / JSON path, or its dict); see docs/migration.md."""
-        from fprep.migrate import from_accelerate
-
-        return from_accelerate(source, **overrides)
+        return cls(**{**accelerate_fields(source), **overrides})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrepConfig:

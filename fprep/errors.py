@@ -7,6 +7,10 @@ read a traceback from deep inside torch to find out what was wrong with their in
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class PrepError(Exception):
     """Base class: bad input of any kind, found before (or instead of) any effect.
@@ -87,3 +91,14 @@ class CollectiveError(PrepError, RuntimeError):
     a rank was lost (killed, crashed) while the others waited for it. The message names the call
     and the ranks; a lost peer's own torch error is chained as ``__cause__``.
     """
+
+
+def need(value: T | None, transition: str, needed_by: str) -> T:
+    """The sub-state ``value`` or a ``PlanOrderError`` saying which transition must run first."""
+    if value is None:
+        raise PlanOrderError(
+            f"{needed_by} needs {transition} to have run first.",
+            subject=transition,
+            hint="Compose transitions in the order of fprep.DEFAULT_TRANSITIONS.",
+        )
+    return value

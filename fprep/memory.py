@@ -11,10 +11,13 @@ checkpoint saves keep for their staged copy of this rank's state (``checkpoint_s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fprep.errors import ConfigError
+from fprep.errors import ConfigError, need
 from fprep.snapshot import dtype_bytes
-from fprep.state import PrepState, need
+
+if TYPE_CHECKING:  # a plan's reader, below the state it reads: no import of it at run time
+    from fprep.state import PrepState
 
 
 @dataclass(frozen=True, kw_only=True)

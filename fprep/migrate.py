@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fprep.config import PrepConfig
 from fprep.errors import ConfigError
 
 _STRATEGY = {
@@ -86,8 +85,9 @@ def _flag(value: Any) -> bool:
     return str(value).strip().lower() in ("true", "1", "yes")
 
 
-def from_accelerate(source: str | Path | Mapping[str, Any], **overrides: Any) -> PrepConfig:
-    """A ``PrepConfig`` from an Accelerate config file (YAML or JSON) or its dict."""
+def accelerate_fields(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """``PrepConfig`` fields from an Accelerate config file (YAML or JSON) or its dict
+    (``PrepConfig.from_accelerate`` builds the config; this module never imports it)."""
     data = _load(source)
     fields: dict[str, Any] = {}
     dist = str(data.get("distributed_type", "NO")).upper()
@@ -125,8 +125,7 @@ def from_accelerate(source: str | Path | Mapping[str, Any], **overrides: Any) ->
             fields["compile_mode"] = str(dynamo["dynamo_mode"])
     if dist == "FSDP":
         fields.update(_fsdp_fields(data.get("fsdp_config") or {}))
-    fields.update(overrides)
-    return PrepConfig(**fields)
+    return fields
 
 
 def _fsdp_fields(fsdp: Mapping[str, Any]) -> dict[str, Any]:

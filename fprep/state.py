@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from fprep.config import PrepConfig
-from fprep.errors import ModelError, PlanOrderError
+from fprep.errors import ModelError
+from fprep.errors import need as need  # defined beside PlanOrderError, used with sub-states
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
 from fprep.weights.records import WeightsPlan, WeightsSnapshot
@@ -391,17 +392,6 @@ SUBSTATES: tuple[str, ...] = (
     "param_handles",
     "prefetching",
 )
-
-
-def need(value: T | None, transition: str, needed_by: str) -> T:
-    """The sub-state ``value`` or a ``PlanOrderError`` saying which transition must run first."""
-    if value is None:
-        raise PlanOrderError(
-            f"{needed_by} needs {transition} to have run first.",
-            subject=transition,
-            hint="Compose transitions in the order of fprep.DEFAULT_TRANSITIONS.",
-        )
-    return value
 
 
 def _prod(shape: tuple[int, ...]) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from fprep.state import PrepState
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # PrepState.summary() calls this module: no import back at run time
+    from fprep.state import PrepState
 
 
 def human_bytes(n: float) -> str:

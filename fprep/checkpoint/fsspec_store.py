@@ -27,12 +27,11 @@ import posixpath
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fprep.checkpoint import layout
-from fprep.checkpoint.backend import Releasable, StepFiles
 from fprep.checkpoint.files import (
     MAX_UNVERIFIED_JSON,
     FileRecord,
@@ -45,6 +44,9 @@ from fprep.checkpoint.files import (
 from fprep.checkpoint.storage import SafeReader, SafeWriter, Source
 from fprep.errors import CheckpointError
 from fprep.progress import Progress
+
+if TYPE_CHECKING:  # backend.open_store imports this module: types only, no import back
+    from fprep.checkpoint.backend import Releasable, StepFiles
 
 
 def file_system(url: str) -> tuple[Any, str]:
