@@ -77,7 +77,7 @@ def _memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
     where = "host (offload)" if mem.on_host else "device"
     lines = [f"per-rank memory ({where}):"]
     if async_checkpoint:  # fprep.save(wait=False): a staged copy, always in host memory
-        rows.append(("host: async staging", mem.checkpoint_staging("adam")))
+        rows.append(("host: async staging max", mem.checkpoint_staging("adam")))
     lines += [f"  {name:<24}{human_bytes(value):>14}" for name, value in rows]
     return "\n".join(lines)
 
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--async-checkpoint",
         action="store_true",
-        help="add the host memory of fprep.save(wait=False)'s staged copy (with Adam)",
+        help="add the most host memory fprep.save(wait=False)'s staged copy takes (with Adam)",
     )
     p.set_defaults(func=_cmd_plan)
 
