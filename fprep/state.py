@@ -242,15 +242,19 @@ class MaterializePlan:
     (each module holding meta tensors). ``modules``: the modules holding meta tensors (allocated);
     ``visits``: the modules whose init runs, in the order it runs (children before parents,
     except ``reset_parameters``, in plan order); ``owners``: for ``hf_init_weights``, per visit,
-    the ``PreTrainedModel`` whose ``_init_weights`` runs on it (None: the bound
-    ``param_init_fn``'s model). ``unavailable``: why nothing can initialize some module (the
-    plan still stands and notes it; ``prepare`` refuses it before any effect).
+    the ``PreTrainedModel`` whose ``_init_weights`` runs on it (None: see ``outside``).
+    ``outside``: what a visit outside every ``PreTrainedModel`` runs: ``bound``, the bound
+    ``param_init_fn``'s model's ``_init_weights``; ``reset_parameters``, the module's own (a
+    plain model around Hugging Face sub-models, e.g. a backbone with a custom head).
+    ``unavailable``: why nothing can initialize some module (the plan still stands and notes it;
+    ``prepare`` refuses it before any effect).
     """
 
     method: Literal["none", "param_init_fn", "hf_init_weights", "init_weights", "reset_parameters"]
     modules: tuple[str, ...] = ()
     visits: tuple[str, ...] = ()
     owners: tuple[str | None, ...] = ()
+    outside: Literal["bound", "reset_parameters"] = "bound"
     unavailable: Unavailable | None = None
     #: Of ``modules``, those whose parameters and buffers all come from ``PrepConfig.weights``:
     #: allocated, but not initialized (``load_weights`` fills them).

@@ -354,3 +354,55 @@ def test_two_gloo_ranks_give_the_single_process_parameters(name: str) -> None:
     one = full_of(prepared(BUILDERS[name])[1])
     for n, want in one.items():
         assert torch.equal(two[n], want), n
+
+
+class Classifier(nn.Module):
+    """A plain model around a Hugging Face backbone (the common research shape): the root is no
+    PreTrainedModel, the head is a plain Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = llama()
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone.model(ids).last_hidden_state)
+
+
+class OddHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = gpt2()
+        self.scale = nn.Parameter(torch.ones(32))  # on the plain root: nothing initializes it
+
+
+def test_hf_sub_models_of_a_plain_model_follow_their_own_convention() -> None:
+    plan = fprep.plan(on_meta(Classifier), fprep.PrepConfig()).unwrap()
+    assert plan.param_handles is not None
+    m = plan.param_handles.materialize
+    assert (m.method, m.outside, m.unavailable) == ("hf_init_weights", "reset_parameters", None)
+    owner_of = dict(zip(m.visits, m.owners, strict=True))
+    assert owner_of["head"] is None and "" not in owner_of  # the plain root holds nothing
+    assert owner_of["backbone.model.layers.0.self_attn.q_proj"] == "backbone.model"  # nearest
+    assert owner_of["backbone.lm_head"] == "backbone"
+    assert m.visits.index("backbone.model.norm") < m.visits.index("backbone")  # children first
+    _, model = prepared(Classifier, strategy="none")
+    reference = eager(Classifier)
+    check_like_eager(model, reference)  # the backbone as transformers does, the head as torch
+    assert model.backbone.lm_head.weight is model.backbone.model.embed_tokens.weight
+    # bitwise world-size independent, as for a bare Hugging Face model
+    full = full_of(prepared(Classifier)[1])
+    with W.every_rank_computes_everything():
+        ranks = [full_of(prepared(Classifier, 2, r, wrap=nn.Linear)[1]) for r in range(2)]
+    for n, want in full.items():
+        got = torch.cat([r[n] for r in ranks]) if want.dim() else ranks[0][n]
+        assert torch.equal(got, want), n
+
+
+def test_a_plain_parameter_beside_hf_sub_models_is_still_refused_by_name() -> None:
+    model = on_meta(OddHead)
+    state = fprep.plan(model, fprep.PrepConfig()).unwrap()
+    assert "cannot prepare" in state.summary() and "'<root>'" in state.summary()
+    with pytest.raises(fprep.ModelError, match="reset_parameters"):
+        fprep.prepare(model, fprep.PrepConfig())
+    assert all(p.is_meta for p in model.parameters())  # before any effect

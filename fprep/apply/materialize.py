@@ -101,8 +101,11 @@ def _inits(state: PrepState, model: nn.Module) -> list[Init]:
     if plan.method == "hf_init_weights":
         default = getattr(fn, "__self__", model)
         owners: dict[str | None, Init] = {}
-        out = []
+        out: list[Init] = []
         for owner in plan.owners:
+            if owner is None and plan.outside == "reset_parameters":
+                out.append(_reset)  # outside every Hugging Face sub-model: the module's own
+                continue
             if owner not in owners:
                 owners[owner] = _hf(default if owner is None else model.get_submodule(owner))
             out.append(owners[owner])

@@ -289,8 +289,9 @@ def _hf_owners(tree: ModuleTree, visits: tuple[str, ...]) -> tuple[str | None, .
 
 def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
     """How the meta tensors become real. Precedence: ``param_init_fn``, the model's own
-    convention (Hugging Face's ``_init_weights``, then torchtitan's ``init_weights``), then each
-    module's ``reset_parameters``. A module none of them can initialize is kept as a note (a
+    convention (Hugging Face's ``_init_weights``, then torchtitan's ``init_weights``), then the
+    conventions of Hugging Face sub-models of a plain model (``reset_parameters`` outside
+    them), then each module's ``reset_parameters``. A module none of them can initialize is kept as a note (a
     plan never needs weights); ``prepare`` refuses it before any effect."""
     tree, cfg = state.tree, state.config
     left_on_meta = [p.fqn for p in tree.params if p.is_meta and p.fqn in ignored.params]
@@ -342,29 +343,62 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
         return MaterializePlan(method="param_init_fn", modules=modules, visits=walk, loaded=kept)
     if root.has_init_weights:
         return MaterializePlan(method="init_weights", modules=modules, visits=("",), loaded=kept)
-    missing = next(
-        (m for m in to_init if not (info := tree.module(m)) or not info.has_reset_parameters),
-        None,
-    )
-    unavailable = None
-    if missing is not None:
-        cls = (tree.module(missing) or root).class_name
-        unavailable = Unavailable(
-            message=f"module {missing or '<root>'!r} ({cls}) has parameters or buffers on the "
-            "meta device and nothing to initialize them: no param_init_fn, no model "
-            "convention (Hugging Face _init_weights, torchtitan init_weights) and no "
-            "reset_parameters().",
-            subject=missing,
-            hint="Give the class a reset_parameters() method, or pass "
-            "PrepConfig(param_init_fn=...) (called on every module holding or containing meta "
-            "tensors, children before parents).",
-        )
+    nested = _hf_owners(tree, walk)
+    if any(owner is not None for owner in nested):
+        return _around_hf_models(tree, modules, to_init, walk, nested, kept)
     return MaterializePlan(
         method="reset_parameters",
         modules=modules,
         visits=to_init,
-        unavailable=unavailable,
+        unavailable=_without_reset(tree, to_init),
         loaded=kept,
+    )
+
+
+def _around_hf_models(
+    tree: ModuleTree,
+    modules: tuple[str, ...],
+    to_init: tuple[str, ...],
+    walk: tuple[str, ...],
+    owners: tuple[str | None, ...],
+    kept: tuple[str, ...],
+) -> MaterializePlan:
+    """A plain model holding Hugging Face sub-models (a backbone with a custom head, say):
+    inside each ``PreTrainedModel`` its ``_init_weights`` runs, as ``initialize_weights``
+    walks it; outside, each module holding meta tensors runs its own ``reset_parameters``
+    (plain containers there hold nothing to initialize and are not visited)."""
+    own = set(to_init)
+    kept_visits = [(v, o) for v, o in zip(walk, owners, strict=True) if o is not None or v in own]
+    outside = tuple(v for v, o in kept_visits if o is None)
+    return MaterializePlan(
+        method="hf_init_weights",
+        modules=modules,
+        visits=tuple(v for v, _ in kept_visits),
+        owners=tuple(o for _, o in kept_visits),
+        outside="reset_parameters",
+        unavailable=_without_reset(tree, outside),
+        loaded=kept,
+    )
+
+
+def _without_reset(tree: ModuleTree, visits: tuple[str, ...]) -> Unavailable | None:
+    """The first of ``visits`` without ``reset_parameters()``, as the refusal to raise."""
+    missing = next(
+        (m for m in visits if not (info := tree.module(m)) or not info.has_reset_parameters),
+        None,
+    )
+    if missing is None:
+        return None
+    cls = (tree.module(missing) or tree.root).class_name
+    return Unavailable(
+        message=f"module {missing or '<root>'!r} ({cls}) has parameters or buffers on the "
+        "meta device and nothing to initialize them: no param_init_fn, no model "
+        "convention (Hugging Face _init_weights, torchtitan init_weights) and no "
+        "reset_parameters().",
+        subject=missing,
+        hint="Give the class a reset_parameters() method, or pass "
+        "PrepConfig(param_init_fn=...) (called on every module holding or containing meta "
+        "tensors, children before parents).",
     )
 
 
