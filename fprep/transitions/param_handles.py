@@ -291,8 +291,8 @@ def _materialize(state: PrepState, ignored: IgnoredState) -> MaterializePlan:
     """How the meta tensors become real. Precedence: ``param_init_fn``, the model's own
     convention (Hugging Face's ``_init_weights``, then torchtitan's ``init_weights``), then the
     conventions of Hugging Face sub-models of a plain model (``reset_parameters`` outside
-    them), then each module's ``reset_parameters``. A module none of them can initialize is kept as a note (a
-    plan never needs weights); ``prepare`` refuses it before any effect."""
+    them), then each module's ``reset_parameters``. A module none of them can initialize is
+    kept as a note (a plan never needs weights); ``prepare`` refuses it before any effect."""
     tree, cfg = state.tree, state.config
     left_on_meta = [p.fqn for p in tree.params if p.is_meta and p.fqn in ignored.params]
     left_on_meta += [b.fqn for b in tree.buffers if b.is_meta and b.fqn in ignored.buffers]
