@@ -104,22 +104,23 @@ def save(
 
     if not isinstance(wait, bool):
         raise CheckpointError(f"wait must be True or False; got {wait!r}.", subject="wait")
-    arguments: dict[str, Any] = {
-        "optimizers": optimizers,
-        "scheduler": scheduler,
-        "loader": loader,
-        "step": step,
-        "extras": extras,
-        "keep_last": keep_last,
-    }
-    if not wait:
-        with guarded("fprep.save", state.config.timeout_s):  # the foreground part
-            return background.start(path, state, model, **arguments)
-    background.settle()
+    from fprep.checkpoint.writing import SaveArgs
     from fprep.checkpoint.writing import save as _save
 
+    args = SaveArgs(
+        optimizers=optimizers,
+        scheduler=scheduler,
+        loader=loader,
+        step=step,
+        extras=extras,
+        keep_last=keep_last,
+    )
+    if not wait:
+        with guarded("fprep.save", state.config.timeout_s):  # the foreground part
+            return background.start(path, state, model, args)
+    background.settle()
     with guarded("fprep.save", state.config.timeout_s):
-        return _save(path, state, model, **arguments)
+        return _save(path, state, model, args)
 
 
 def load(

@@ -38,7 +38,6 @@ import atexit
 import dataclasses
 import os
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ from torch import nn
 from fprep.checkpoint import staging
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.guard import Guard, guardable
-from fprep.checkpoint.writing import collect, write_and_publish
+from fprep.checkpoint.writing import SaveArgs, Stage, collect, write_and_publish
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState
 
@@ -203,61 +202,32 @@ def _register_exit(hook: Any) -> None:
         register(hook)
 
 
-class _Staging:
+def _stager(model: nn.Module) -> Stage:
     """``collect``'s staging step: copy what may change before the next optimizer step, guard
     the rest (``guard.py``)."""
+    stager = staging.stager_for(model)
 
-    def __init__(self, stager: staging.Stager) -> None:
-        self.stager = stager
-        self.guard: Guard | None = None
-
-    def __call__(
-        self, tensors: dict[str, torch.Tensor], optimizers: tuple[torch.optim.Optimizer, ...]
-    ) -> dict[str, torch.Tensor]:
+    def stage(
+        tensors: dict[str, torch.Tensor], optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> tuple[dict[str, torch.Tensor], Guard | None]:
         live = guardable(tensors, optimizers)
-        staged = self.stager.stage(tensors, skip=live)
-        if live:
-            self.guard = Guard({k: tensors[k] for k in live}, self.stager, optimizers)
-        return staged
+        staged = stager.stage(tensors, skip=live)
+        guard = Guard({k: tensors[k] for k in live}, stager, optimizers) if live else None
+        return staged, guard
+
+    return stage
 
 
 def start(
-    path: str | os.PathLike[str],
-    state: PrepState,
-    model: nn.Module,
-    *,
-    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
-    scheduler: Any = None,
-    loader: Any = None,
-    step: int = 0,
-    extras: Any = None,
-    keep_last: int | None = None,
+    path: str | os.PathLike[str], state: PrepState, model: nn.Module, args: SaveArgs
 ) -> SaveHandle:
     """Stage and collect here; write and publish on a background thread (see the module)."""
     global _in_flight, _exit_hook
     settle()
     group = Group.of(state)
     own = _own_group(group)  # before collect: a collective on the default group
-    stage = _Staging(staging.stager_for(model))
-    try:
-        collected = collect(
-            path,
-            state,
-            model,
-            optimizers=optimizers,
-            scheduler=scheduler,
-            loader=loader,
-            step=step,
-            extras=extras,
-            keep_last=keep_last,
-            stage=stage,
-        )
-    except BaseException:
-        if stage.guard is not None:
-            stage.guard.close()
-        raise
-    collected.guard = stage.guard
-    handle = SaveHandle(str(collected.root), step, stage.guard)
+    collected = collect(path, state, model, args, stage=_stager(model))
+    handle = SaveHandle(str(collected.root), args.step, collected.guard)
     thread = threading.Thread(
         target=handle._run, args=(collected, own), name="fprep-save", daemon=True
     )

@@ -43,9 +43,11 @@ from fprep.checkpoint.states import model_tensors, split_optimizers
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState, need
 
-#: ``collect``'s staging step: this rank's tensors and the optimizers -> what the writer reads
+#: ``collect``'s staging step: this rank's tensors and the optimizers -> what the writer reads,
+#: and the guard of the tensors it reads live (None: none)
 Stage = Callable[
-    [dict[str, torch.Tensor], tuple[torch.optim.Optimizer, ...]], dict[str, torch.Tensor]
+    [dict[str, torch.Tensor], tuple[torch.optim.Optimizer, ...]],
+    tuple[dict[str, torch.Tensor], Guard | None],
 ]
 
 
@@ -88,17 +90,20 @@ def _check_args(step: object, keep_last: object) -> None:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class SaveArgs:
+    """``fprep.save``'s keyword arguments (but ``wait``), as given: ``collect`` checks them."""
+
+    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = ()
+    scheduler: Any = None
+    loader: Any = None
+    step: int = 0
+    extras: Any = None
+    keep_last: int | None = None
+
+
 def save(
-    path: str | os.PathLike[str],
-    state: PrepState,
-    model: nn.Module,
-    *,
-    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
-    scheduler: Any = None,
-    loader: Any = None,
-    step: int = 0,
-    extras: Any = None,
-    keep_last: int | None = None,
+    path: str | os.PathLike[str], state: PrepState, model: nn.Module, args: SaveArgs
 ) -> Path | str:
     """Save model, optimizers, scheduler, loader position, RNG states, step and extras.
 
@@ -107,39 +112,25 @@ def save(
     Raises ``CheckpointError`` (on every rank) when anything cannot be saved; the previous
     checkpoints are untouched. See docs/checkpoints.md.
     """
-    collected = collect(
-        path,
-        state,
-        model,
-        optimizers=optimizers,
-        scheduler=scheduler,
-        loader=loader,
-        step=step,
-        extras=extras,
-        keep_last=keep_last,
-    )
-    return write_and_publish(collected, Group.of(state))
+    return write_and_publish(collect(path, state, model, args), Group.of(state))
 
 
 def collect(
     path: str | os.PathLike[str],
     state: PrepState,
     model: nn.Module,
+    args: SaveArgs,
     *,
-    optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
-    scheduler: Any = None,
-    loader: Any = None,
-    step: int = 0,
-    extras: Any = None,
-    keep_last: int | None = None,
     stage: Stage | None = None,
 ) -> Collected:
     """Steps 1 and 2: check and collect everything, take the lock, make the staging place,
     agree. ``stage(tensors, optimizers)`` (asynchronous saves) replaces the live tensors by
-    copies, or guards them (``guard.py``), before the agreement, so that a rank failing to
-    stage fails every rank. Collectives: the default
-    group only. The lock a returned ``Collected`` holds is released by ``write_and_publish``.
+    copies, or guards them (``guard.py``; the guard goes to ``Collected.guard``), before the
+    agreement, so that a rank failing to stage fails every rank. Collectives: the default
+    group only. The lock a returned ``Collected`` holds is released by ``write_and_publish``
+    (and a guard closed by whoever runs it); on failure both are released here.
     """
+    step, keep_last, scheduler, loader = args.step, args.keep_last, args.scheduler, args.loader
     root = open_store(path)  # the same on every rank: a URL without fsspec fails on each
     group = Group.of(state)
     core = need(state.core, "init_core", "fprep.save")
@@ -152,10 +143,10 @@ def collect(
     try:
         try:
             _check_args(step, keep_last)
-            opts = as_optimizers(optimizers)
+            opts = as_optimizers(args.optimizers)
             check_stateful(scheduler, "scheduler")
             check_stateful(loader, "loader")
-            extras = encode(extras, "extras", None)
+            extras = encode(args.extras, "extras", None)
             encoded_scheduler = (
                 None if scheduler is None else encode(scheduler.state_dict(), "scheduler", None)
             )
@@ -163,7 +154,10 @@ def collect(
             scaler = _grad_scaler_state(state)
             tensors: dict[str, torch.Tensor] = model_tensors(state, model, for_save=True)
             records = split_optimizers(state, model, opts, tensors, for_save=True)
-            collected.tensors = tensors if stage is None else stage(tensors, opts)
+            if stage is None:
+                collected.tensors = tensors
+            else:
+                collected.tensors, collected.guard = stage(tensors, opts)
             collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
             collected.manifest = Manifest(
                 step=step,
@@ -193,6 +187,8 @@ def collect(
     except BaseException:
         if lock is not None:
             lock.release()
+        if collected.guard is not None:
+            collected.guard.close()
         raise
     collected.tmp, collected.lock = names[0], lock
     return collected
