@@ -469,6 +469,48 @@ def two_transactional(root: str) -> dict[str, Any]:
     return out
 
 
+SAVER_SETUP = "state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())"
+
+
+def saver_script(save: str, setup: str = SAVER_SETUP) -> str:
+    """A child for ``killed_save_rounds``: after ``setup`` it prints ``ready``, then forever
+    fills every parameter with the step number, runs ``save`` (lines using ``root``, ``state``,
+    ``model``, ``step``, ``rnd``) and prints the step. ``os.fsync`` sleeps a random moment first,
+    spreading a save's phases out so that kills land in every one of them."""
+    prologue = """\
+import os, random, sys, time
+import torch
+from torch import nn
+import fprep
+import fprep.checkpoint.background, fprep.checkpoint.reading  # imports DCP: not in the window
+import fprep.checkpoint.writing
+
+root, start, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rnd = random.Random(seed)
+real_fsync = os.fsync
+
+def slow_fsync(fd):
+    time.sleep(rnd.random() * 0.01)
+    real_fsync(fd)
+
+os.fsync = slow_fsync
+"""
+    loop = """\
+print("ready", flush=True)
+step = start
+while True:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+"""
+    end = """\
+    print(step, flush=True)
+    step += 1
+"""
+    indented = "".join(f"    {line}\n" for line in save.strip("\n").splitlines())
+    return prologue + setup.strip("\n") + "\n" + loop + indented + end
+
+
 def killed_save_rounds(root: Path, script: str, rounds: int, seed: int) -> list[int]:
     """Kill -9 a child saving in a loop (``script``: prints ``ready``, then each step it saved)
     at a random moment, ``rounds`` times; after each kill, the checkpoint ``load`` finds must

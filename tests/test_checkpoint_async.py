@@ -333,68 +333,42 @@ def test_exit_waits_for_the_save_in_flight(tmp_path: Path, fail: bool) -> None:
         assert (tmp_path / "latest").read_text().startswith("step-00000007 blake3:")
 
 
-KILLED = textwrap.dedent(
+KILLED = W.saver_script(
     """
-    import os, random, sys, time
-    import torch
-    from torch import nn
-    import fprep
-
-    root, start, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    rnd = random.Random(seed)
-    real_fsync = os.fsync
-
-    def slow_fsync(fd):  # spreads the background phases out, so kills land in every one
-        time.sleep(rnd.random() * 0.01)
-        real_fsync(fd)
-
-    os.fsync = slow_fsync
-    import fprep.checkpoint.background, fprep.checkpoint.reading  # imports DCP: not in the window
-    state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
-    print("ready", flush=True)
-    step = start
-    while True:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float(step))
-        handle = fprep.save(root, state, model, step=step, keep_last=3, extras={"step": step},
-                            wait=False)
-        with torch.no_grad():  # training goes on: none of this may reach the checkpoint
-            for p in model.parameters():
-                p.fill_(-1.0)
-        time.sleep(rnd.random() * 0.02)
-        handle.wait()
-        print(step, flush=True)
-        step += 1
-    """
+handle = fprep.save(root, state, model, step=step, keep_last=3, extras={"step": step},
+                    wait=False)
+with torch.no_grad():  # training goes on: none of this may reach the checkpoint
+    for p in model.parameters():
+        p.fill_(-1.0)
+time.sleep(rnd.random() * 0.02)
+handle.wait()
+"""
 )
-
 
 # The same, with the parameters read live (guard.py): the optimizer passed to save changes them
 # (SGD, lr=1, gradient p + 1: every parameter becomes -1), so its step waits for what the
 # background has not written, and copies it.
-KILLED_GUARDED = (
-    KILLED.replace(
-        "state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())",
-        "model = nn.Linear(256, 256)\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=1.0)\n"
-        "state, model, opt = fprep.prepare(model, fprep.PrepConfig(), opt)",
-    )
-    .replace("step=step, keep_last=3,", "optimizers=(opt,), step=step, keep_last=3,")
-    .replace(
-        "    with torch.no_grad():  # training goes on: none of this may reach the checkpoint\n"
-        "        for p in model.parameters():\n"
-        "            p.fill_(-1.0)",
-        "    for p in model.parameters():  # training goes on: none of this may reach it\n"
-        "        p.grad = p.detach() + 1.0\n"
-        "    opt.step()",
-    )
+KILLED_GUARDED = W.saver_script(
+    """
+handle = fprep.save(root, state, model, optimizers=(opt,), step=step, keep_last=3,
+                    extras={"step": step}, wait=False)
+for p in model.parameters():  # training goes on: none of this may reach it
+    p.grad = p.detach() + 1.0
+opt.step()
+time.sleep(rnd.random() * 0.02)
+handle.wait()
+""",
+    setup="""
+model = nn.Linear(256, 256)
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+state, model, opt = fprep.prepare(model, fprep.PrepConfig(), opt)
+""",
 )
 
 
 @pytest.mark.parametrize("script", [KILLED, KILLED_GUARDED], ids=["copied", "read live"])
 def test_killed_background_saves_leave_a_loadable_checkpoint(tmp_path: Path, script: str) -> None:
-    guarded = script is KILLED_GUARDED  # (and every replacement above took)
+    guarded = script is KILLED_GUARDED
     assert script.count("opt.step()") + script.count("optimizers=(opt,)") == 2 * guarded
     root = tmp_path / "ckpt"
     W.killed_save_rounds(root, script, rounds=3, seed=2025)

@@ -33,7 +33,6 @@ import pickle
 import random
 import re
 import sys
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -347,34 +346,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint(
     assert fprep.load(tmp_path, s, m2).step == 3 and torch.equal(m2.odd, model.odd)
 
 
-CHILD = textwrap.dedent(
-    """
-    import os, random, sys, time
-    import torch
-    from torch import nn
-    import fprep
-
-    root, start, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    rnd = random.Random(seed)
-    real_fsync = os.fsync
-
-    def slow_fsync(fd):  # spreads a save's phases out, so kills land in every one of them
-        time.sleep(rnd.random() * 0.01)
-        real_fsync(fd)
-
-    os.fsync = slow_fsync
-    import fprep.checkpoint.reading, fprep.checkpoint.writing  # imports DCP: not in the window
-    state, model = fprep.prepare(nn.Linear(256, 256), fprep.PrepConfig())
-    print("ready", flush=True)
-    step = start
-    while True:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float(step))
-        fprep.save(root, state, model, step=step, keep_last=3, extras={"step": step})
-        print(step, flush=True)
-        step += 1
-    """
+CHILD = W.saver_script(
+    'fprep.save(root, state, model, step=step, keep_last=3, extras={"step": step})'
 )
 
 
