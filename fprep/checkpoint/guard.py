@@ -25,7 +25,6 @@ checks: call ``stage()`` before them.)
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -103,7 +102,6 @@ class Guard:
         self._open = bool(self._values)
         self.optimizers = tuple(optimizers)
         self.copied_bytes = 0  # bytes protect() had to copy (the background had not read them)
-        self.protect_s = 0.0  # seconds the training thread spent in protect()
         if self._open:
             _watch(self)
 
@@ -142,7 +140,6 @@ class Guard:
         """Make the live tensors free to change: copy every unread guarded tensor into the
         staging buffers, wait for those being read. Called by the optimizers' step pre-hook
         (training thread) and ``SaveHandle.stage()``; returns at once after the first time."""
-        start = time.perf_counter()
         with self._cond:
             while self._open:
                 for key, left in self._left.items():
@@ -153,7 +150,6 @@ class Guard:
                     break
                 self._cond.wait()
         _unwatch(self)
-        self.protect_s += time.perf_counter() - start
 
     def close(self) -> None:
         """The background is done with the live tensors (written, or failed)."""

@@ -42,8 +42,8 @@ def _a_directory(target: object) -> CheckpointError:
 
 class LocalSink:
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.target: Path | str = Path(path)
         target = Path(path)
+        self.target: Path | str = target
         if target.is_dir():
             raise _a_directory(target)
         target.parent.mkdir(parents=True, exist_ok=True)
