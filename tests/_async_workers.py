@@ -17,7 +17,9 @@ from typing import Any
 
 import _checkpoint_workers as W
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fprep
 from fprep.checkpoint import staging
@@ -168,6 +170,17 @@ def mul_while_saving(model: nn.Module, until: Callable[[], bool], started: threa
     return rounds
 
 
+def _same_replicas(model: nn.Module) -> None:
+    """Replicated (ddp) parameters as rank 0 has them: each rank's thread ran its own number of
+    rounds, and a checkpoint holds one replica (rank 0's). Shards (fsdp) are each rank's own."""
+    if not dist.is_initialized():
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if not isinstance(p, DTensor):
+                dist.broadcast(p.detach(), src=0)
+
+
 def overlapping_kernels(
     base: Path,
     fresh: Callable[[], tuple[Any, ...]],
@@ -194,6 +207,7 @@ def overlapping_kernels(
             thread.start()
             path = handle.wait()
             thread.join()
+        _same_replicas(model)
         fprep.load(path, s2, m2, optimizers=(o2,))
         equal.append(same_full(W.full_state(m2, o2), at_call))
     latest = fprep.load(base, s2, m2).step
