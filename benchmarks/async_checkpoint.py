@@ -12,17 +12,15 @@ order (the same on both ranks):
 
 * ``fprep sync``: ``fprep.save(...)``; the stall is the whole save.
 * ``fprep async``: ``handle = fprep.save(..., wait=False)``, then ``handle.wait()`` at once.
-* ``fprep async+step``: the same with one training step between the call and ``wait``: its
-  ``optimizer.step()`` is held back until the tensors the background has not read are copied
-  (``fprep/checkpoint/guard.py``); that hold is part of the stall.
-* ``fprep async+opt.step``: the worst case: ``optimizer.step()`` right after the call (no
-  forward or backward between), so the hold copies nearly everything.
+* ``fprep async+step``: the same with one training step between the call and ``wait`` (the
+  step never waits for the background: every tensor was copied before ``save`` returned, into
+  host buffers reused from save to save; ``fprep/checkpoint/staging.py``).
 * ``dcp.async_save`` and ``dcp.async_save+step``: ``get_state_dict`` + ``dcp.async_save`` (its
   default stager: every tensor copied before it returns; files fsynced; a gloo group of its
   own, as torchtitan gives it), then
   ``future.result()``, at once or after one training step.
 
-Stall: from the call until it returns, plus the time the next step is held back. Published:
+Stall: from the call until it returns. Published:
 from the call until the checkpoint is complete on disk (the moment the background work ended,
 also when a training step ran meanwhile). "next step": that step's time over the round's plain
 step (the background's CPU competes with it on this 2-core machine). Each save starts on a quiet
@@ -62,13 +60,14 @@ VARIANTS = (
     "fprep sync",
     "fprep async",
     "fprep async+step",
-    "fprep async+opt.step",
     "dcp.async_save",
     "dcp.async_save+step",
 )
 
 
-def sizes(quick: bool) -> dict[str, int]:
+def sizes(quick: bool, small: bool = False) -> dict[str, int]:
+    if small:
+        return {"d": 256, "layers": 4, "vocab": 1024}  # 0.8M parameters
     if quick:
         return {"d": 512, "layers": 8, "vocab": 4096}  # 6.3M parameters
     return {"d": 2048, "layers": 40, "vocab": 16384}  # 201.4M parameters
@@ -106,17 +105,15 @@ def slowest(seconds: float) -> float:
 
 @dataclass
 class Run:
-    """One save, the slower rank's seconds (and this rank's bytes copied before a step)."""
+    """One save, the slower rank's seconds."""
 
     returned: float  # the call until it returned
-    held: float  # the next step held back in its optimizer.step (fprep) until staged
     step: float  # the next step's time (0: no step between call and publish)
     published: float  # the call until published
-    copied: int = 0
 
     @property
     def stall(self) -> float:
-        return self.returned + self.held
+        return self.returned
 
 
 def measure(
@@ -128,23 +125,11 @@ def measure(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from fprep.checkpoint import background, guard
+    from fprep.checkpoint import background
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     state, model, opt = build(spec)
-    held: list[float] = [0.0]  # seconds in Guard.protect, this rank
-    copied: list[int] = [0]
-    real_protect = guard.Guard.protect
-
-    def timed_protect(self: guard.Guard) -> None:
-        before = self.copied_bytes
-        start = time.perf_counter()
-        real_protect(self)
-        held[0] += time.perf_counter() - start
-        copied[0] += self.copied_bytes - before
-
-    guard.Guard.protect = timed_protect  # type: ignore[method-assign]
     finished: list[float] = []  # when the background work ended (not when wait() returned)
     real_run = background.SaveHandle._run
 
@@ -185,7 +170,6 @@ def measure(
     def once(name: str) -> Run:
         path = fresh(name)
         dist.barrier()
-        held[0], copied[0] = 0.0, 0
         finished.clear()
         start = time.perf_counter()
         finish = calls[name.partition("+")[0]](path)
@@ -194,22 +178,13 @@ def measure(
         if name.endswith("+step"):
             train_step(model, opt)
             step_s = time.perf_counter() - returned
-        elif name.endswith("+opt.step"):
-            opt.step()  # at once, no gradients: only the hold shows
-            step_s = time.perf_counter() - returned
         finish()
         published = finished[-1] if finished else time.perf_counter()
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         quiet_disk()
-        return Run(
-            slowest(returned - start),
-            slowest(held[0]),
-            slowest(step_s),
-            slowest(published - start),
-            copied[0],
-        )
+        return Run(slowest(returned - start), slowest(step_s), slowest(published - start))
 
     train_step(model, opt)
     first = {name: once(name) for name in variants}
@@ -236,6 +211,9 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
+    parser.add_argument(
+        "--small", action="store_true", help="a tiny model (0.8M parameters), for a loaded machine"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5, quick 2)")
     parser.add_argument(
         "--without-dcp",
@@ -243,9 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         help="fprep's variants only (to see whether dcp.async_save's runs affect them)",
     )
     args = parser.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (2 if args.quick or args.small else 5)
     variants = tuple(v for v in VARIANTS if not (args.without_dcp and v.startswith("dcp")))
-    spec = sizes(args.quick)
+    spec = sizes(args.quick, args.small)
     before = os.getloadavg()
     print(
         f"fprep async checkpoint benchmark (torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -268,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         f"load average {result['load'][0]:.1f} at the end"
     )
     print(
-        f"  {'variant':<21}{'returns':>9}{'held':>8}{'stall':>8}{'/ sync':>8}{'first':>8}"
+        f"  {'variant':<21}{'stall':>9}{'/ sync':>8}{'first':>8}"
         f"{'next step':>11}{'published':>11}{'MB/s':>7}{'vs sync':>9}{'paired':>8}"
     )
 
@@ -282,24 +260,14 @@ def main(argv: list[str] | None = None) -> None:
         stall, published = med(name, "stall"), med(name, "published")
         step = f"{med(name, 'step') - plain:+.2f}s" if name.endswith("+step") else "-"
         print(
-            f"  {name:<21}{med(name, 'returned'):>8.3f}s{med(name, 'held'):>7.3f}s"
-            f"{stall:>7.3f}s{stall / sync:>7.3f}x{result['first'][name].stall:>7.3f}s"
+            f"  {name:<21}{stall:>8.4f}s{stall / sync:>7.3f}x{result['first'][name].stall:>7.3f}s"
             f"{step:>11}{published:>10.2f}s{mb / published:>7.0f}{sync / published:>8.2f}x"
             f"{paired(name):>7.2f}x"
         )
-    for name in ("fprep async+step", "fprep async+opt.step"):
-        copied = [r.copied for r in times.get(name, [])]
-        if copied:
-            print(
-                f"  ({name}: MB copied before the step, rank 0, per round: "
-                + ", ".join(f"{c / MB:.0f}" for c in copied)
-                + ")"
-            )
     for name in variants:
         text = ", ".join(f"{r.stall:.2f}/{r.published:.2f}" for r in times[name])
         print(f"  {name} per round (stall/published s): {text}")
     stall = max(med("fprep async", "stall"), med("fprep async+step", "stall"))
-    worst = med("fprep async+opt.step", "stall")
     throughput = sync / med("fprep async", "published")
     print(f"(published throughput, paired by round: {paired('fprep async'):.2f}x)")
     checks = [
@@ -316,10 +284,6 @@ def main(argv: list[str] | None = None) -> None:
                 1.0,
             )
         )
-    print(
-        f"(worst case, optimizer.step() right after the call: stall {worst:.3f} s = "
-        f"{worst / sync:.3f}x the synchronous save)"
-    )
     for text, value, op, goal in checks:
         ok = value <= goal if op == "<=" else value >= goal
         print(f"{text}: {'meets' if ok else 'misses'} the {op} {goal}x goal")

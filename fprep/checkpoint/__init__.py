@@ -4,16 +4,18 @@
   rank writes its shards; loading reads each rank's part of any layout, so a checkpoint moves
   between world sizes and strategies), plus scheduler state, data-loader position, per-rank RNG
   states, the step and JSON extras in a JSON manifest.
-* ``save(..., wait=False)``: an asynchronous save (``background``: staged in host memory by
-  ``staging`` and ``guard``, written and published on a thread); returns a ``SaveHandle``.
+* ``save(..., wait=False)``: an asynchronous save (``background``: every tensor copied into
+  host memory by ``staging`` before it returns, written, read back and checked by ``guard``,
+  and published on a thread); returns a ``SaveHandle``.
 * ``export_full``: one safetensors file with the full model, streamed one tensor at a time.
 
 Modules, one job each: ``writing`` (save), ``reading`` (load), ``export``, ``layout``
 (directories, ``latest``, publishing, rotation), ``storage`` (DCP writer and reader: raw bytes,
 BLAKE3 digests), ``metadata`` (DCP metadata as JSON), ``manifest``, ``encoding`` (nested state as
 JSON), ``states`` (flat tensor dicts), ``validate``, ``rng``, ``collective``, ``files``, ``info``;
-for asynchronous saves ``background`` (the thread, ``SaveHandle``), ``staging`` (host buffers) and
-``guard`` (live tensors kept unchanged until read); for URLs ``backend`` and ``fsspec_store``.
+for asynchronous saves ``background`` (the thread, ``SaveHandle``), ``staging`` (host buffers)
+and ``guard`` (written files read back and checked before publishing); for URLs ``backend`` and
+``fsspec_store``.
 See docs/checkpoints.md.
 
 Each public function runs inside ``fprep.collectives.collective``: called on some ranks only,
@@ -94,9 +96,9 @@ def save(
     ``CheckpointError`` (on every rank) when anything cannot be saved; the previous checkpoints
     are untouched. See docs/checkpoints.md.
 
-    ``wait=False`` returns a ``SaveHandle`` as soon as this rank's state is staged (the
-    parameters and state of ``optimizers`` are read live until their next ``step()``, which
-    first copies what is left; ``handle.stage()`` does that on demand); writing, hashing and
+    ``wait=False`` returns a ``SaveHandle`` as soon as every tensor of this rank's state is
+    copied into host buffers (reused from save to save): the checkpoint holds the values at
+    the call, whatever changes them afterwards. Writing, hashing, reading the files back and
     publishing go on in the background (``handle.wait()`` returns the step directory or raises
     the failure). The next save, a load, or the process's exit wait for it first.
     """

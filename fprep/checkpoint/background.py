@@ -1,14 +1,14 @@
 """Asynchronous saves: stage in the foreground, write and publish on a background thread.
 
 ``fprep.save(..., wait=False)`` runs ``writing.collect`` in the caller's thread: arguments
-checked, non-tensor state encoded as JSON data, the tensors that may change before the next
-optimizer step copied into host buffers (``staging.py``) and the others guarded (``guard.py``:
-the optimizers' next ``step()`` copies what the thread has not read yet), RNG states captured,
-the ``.tmp-*`` directory made, and all ranks agreed that all of it worked. Training may go on
-the moment ``save`` returns: the thread reads nothing live that could change under it. It then
-runs ``writing.write_and_publish``: DCP's planning, the writes and BLAKE3 digests, the gather of
-file records to rank 0, the manifest, the atomic publish (the same code, and so the same
-guarantees, as a synchronous save).
+checked, non-tensor state encoded as JSON data, every tensor to write copied into this model's
+host buffers (``staging.py``), RNG states captured, the ``.tmp-*`` directory made, and all
+ranks agreed that all of it worked. Training may go on the moment ``save`` returns: the thread
+reads nothing live, so nothing done to the live tensors afterwards (by any code, on any thread)
+reaches the checkpoint. It then runs ``writing.write_and_publish``: DCP's planning, the writes
+and BLAKE3 digests (taken from the bytes written), each rank's files read back and checked
+(``guard.py``), the gather of file records to rank 0, the manifest, the atomic publish (the same
+code, and so the same guarantees, as a synchronous save).
 
 Collectives. Those steps need collectives (DCP's plan exchange, the gather of file records,
 the agreement on failures), and gloo runs one collective at a time per group, in the order the
@@ -24,6 +24,11 @@ rank's digests), so a run saving every hour would publish each checkpoint an hou
 the group, a checkpoint is published as soon as its bytes are written, every rank's thread ends
 with the same outcome (success, or the same ``CheckpointError``), and ``wait`` is local (it
 joins this rank's thread; no collective, so it may be called on some ranks only).
+
+A rank lost while the thread talks to it (killed, crashed) ends the other ranks' threads with a
+``CollectiveError`` naming the ranks that no longer answer a short probe of the checkpoint
+group's store, as a synchronous save's ``fprep.collectives.collective`` would (the probe has a
+tag of its own, the count of asynchronous saves, so it never meets the training loop's calls).
 
 At most one save is in flight per process: the next ``save`` (either kind), ``load`` and the
 process's exit (an exit hook of ``threading``'s, which runs before ``atexit``'s) wait for it
@@ -41,15 +46,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from fprep.checkpoint import staging
 from fprep.checkpoint.collective import Group
-from fprep.checkpoint.guard import Guard, guardable
 from fprep.checkpoint.writing import SaveArgs, Stage, collect, write_and_publish
-from fprep.errors import CheckpointError, PrepError
+from fprep.collectives import PROBE_S, _first_line, is_collective_failure, probe
+from fprep.errors import CheckpointError, CollectiveError, PrepError
 from fprep.state import PrepState
 
 
@@ -97,14 +101,15 @@ def _own_group(group: Group) -> _OwnGroup:
 class SaveHandle:
     """An asynchronous save in flight. ``wait()`` returns the published step directory.
 
-    Returned by ``fprep.save(..., wait=False)`` once this rank's state is staged (or guarded
-    until the next optimizer step: ``guard.py``).
+    Returned by ``fprep.save(..., wait=False)`` once every tensor of this rank's state is
+    copied into host memory (``staging.py``).
     """
 
-    def __init__(self, root: str, step: int, guard: Guard | None = None) -> None:
+    def __init__(self, root: str, step: int, timeout_s: float = PROBE_S, tag: str = "") -> None:
         self.root = root
         self.step = step
-        self._guard = guard
+        self._timeout_s = timeout_s
+        self._tag = tag  # the same on every rank: where a lost rank is probed for
         self._finished = threading.Event()
         self._path: Path | str | None = None
         self._error: BaseException | None = None
@@ -127,31 +132,54 @@ class SaveHandle:
         assert self._path is not None
         return self._path
 
-    def stage(self) -> None:
-        """Copy into host memory whatever of the guarded tensors the background has not read
-        yet, so that they may change now; local, returns at once when nothing is left.
-
-        The optimizers passed to ``save`` do this by themselves at their next ``step()``; call
-        it before changing parameters or optimizer state any other way while the save is in
-        flight (otherwise the save fails, naming the tensor; see docs/checkpoints.md).
-        """
-        if self._guard is not None:
-            self._guard.protect()
-
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._error else "published")
         return f"SaveHandle(step={self.step}, root={str(self.root)!r}, {state})"
 
     def _run(self, collected: Any, group: _OwnGroup) -> None:
         try:
-            self._path = write_and_publish(collected, group, process_group=group.pg, progress=False)
+            self._path = write_and_publish(
+                collected, group, process_group=group.pg, progress=False, verify=True
+            )
         except BaseException as e:  # everything reaches wait(), nothing dies with the thread
-            self._error = e if isinstance(e, PrepError) else _failed(self.root, e)
+            self._error = self._as_error(e, group)
         finally:
             collected.tensors = {}
-            if self._guard is not None:
-                self._guard.close()
             self._finished.set()
+
+    def _as_error(self, error: BaseException, group: _OwnGroup) -> BaseException:
+        if isinstance(error, PrepError):
+            return error
+        if group.distributed and is_collective_failure(error):
+            return _lost(error, group, self._tag, self._timeout_s)
+        return _failed(self.root, error)
+
+
+def _lost(error: BaseException, group: _OwnGroup, tag: str, timeout_s: float) -> CollectiveError:
+    """A collective of the background failed: the ranks that do not answer a probe of the
+    checkpoint group's store within ``min(timeout_s, PROBE_S)`` (all others if the store, hosted
+    by rank 0, is gone), named in a ``CollectiveError``."""
+    entry = dist.distributed_c10d._world.pg_map.get(group.pg)
+    ranks = list(range(group.world_size))
+    if entry is None:
+        lost = [r for r in ranks if r != group.rank]
+    else:
+        lost = probe(entry[1], "fprep.save", tag, group.rank, ranks, min(timeout_s, PROBE_S))
+    who = (
+        f"ranks {lost} did not answer (lost, or still waiting elsewhere)"
+        if lost
+        else "every rank is still there"
+    )
+    wrapped = CollectiveError(
+        f"fprep.save failed in a collective of its background thread (wait=False): {who}. "
+        f"torch said: {_first_line(error)}",
+        subject="fprep.save",
+        hint="The checkpoint was not published; the previous ones are untouched. See the log "
+        "of the ranks named; a killed or crashed rank cannot rejoin: restart the job (from the "
+        "last checkpoint).",
+    )
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _failed(root: str, error: BaseException) -> CheckpointError:
@@ -165,6 +193,7 @@ def _failed(root: str, error: BaseException) -> CheckpointError:
 
 
 _in_flight: SaveHandle | None = None
+_started = 0  # asynchronous saves started by this process (the same count on every rank)
 
 
 def settle() -> None:
@@ -203,31 +232,22 @@ def _register_exit(hook: Any) -> None:
 
 
 def _stager(model: nn.Module) -> Stage:
-    """``collect``'s staging step: copy what may change before the next optimizer step, guard
-    the rest (``guard.py``)."""
-    stager = staging.stager_for(model)
-
-    def stage(
-        tensors: dict[str, torch.Tensor], optimizers: tuple[torch.optim.Optimizer, ...]
-    ) -> tuple[dict[str, torch.Tensor], Guard | None]:
-        live = guardable(tensors, optimizers)
-        staged = stager.stage(tensors, skip=live)
-        guard = Guard({k: tensors[k] for k in live}, stager, optimizers) if live else None
-        return staged, guard
-
-    return stage
+    """``collect``'s staging step: every tensor copied into the model's host buffers."""
+    return staging.stager_for(model).stage
 
 
 def start(
     path: str | os.PathLike[str], state: PrepState, model: nn.Module, args: SaveArgs
 ) -> SaveHandle:
     """Stage and collect here; write and publish on a background thread (see the module)."""
-    global _in_flight, _exit_hook
+    global _in_flight, _exit_hook, _started
     settle()
+    _started += 1
+    tag = f"async-save/{_started}"
     group = Group.of(state)
     own = _own_group(group)  # before collect: a collective on the default group
     collected = collect(path, state, model, args, stage=_stager(model))
-    handle = SaveHandle(str(collected.root), args.step, collected.guard)
+    handle = SaveHandle(str(collected.root), args.step, state.config.timeout_s, tag)
     thread = threading.Thread(
         target=handle._run, args=(collected, own), name="fprep-save", daemon=True
     )

@@ -1,21 +1,28 @@
 """Host copies of a rank's checkpoint tensors, in buffers reused from one save to the next.
 
-An asynchronous save writes these copies while training goes on changing the live tensors, so
-the checkpoint holds the values at the call. ``stage`` copies, before ``save`` returns, what may
-change before the next optimizer step; ``guard.py`` copies the rest (``copy``) only if that step
-comes before the background has read it. All together at most one more copy of this rank's
-shards (model and optimizer state) in host memory; allocating it anew at every save would also
-cost the page faults of fresh memory (about as long as the copy itself), so each model keeps its
-buffers (``stager_for``) and a save allocates only for tensors whose shape or dtype changed.
-Buffers are pinned when the tensors live on an accelerator (the copies then run asynchronously
-and are waited for once). Reuse is safe because at most one save is in flight: the next one
-starts only after the previous one finished reading the buffers.
+An asynchronous save copies every tensor it will write (model parameters and buffers,
+optimizer state, rank 0's gathered full state) into these buffers before ``save`` returns; the
+background thread reads only the copies. The checkpoint therefore holds the values at the call
+whatever changes the live tensors afterwards, and however: an optimizer's step, ``p.mul_()``, a
+DTensor's in-place op, a write through ``.data``, another thread's kernel still running. The
+copies are private: nothing else writes to them until the save is over (the next save starts
+only after the one in flight has finished reading them), so the bytes written and the bytes
+hashed are the same bytes.
+
+A copy of everything costs a memory-bound stall (``docs/checkpoints.md`` "Cost"), kept small:
+the buffers are allocated once per model (``stager_for``) and reused by every later save (fresh
+memory would add the page faults of a first touch, about as long as the copy itself); a save
+allocates only for tensors whose shape or dtype changed; the copies go through one
+``torch._foreach_copy_`` per device (no Python work per element; torch's own copy kernels,
+parallel over its intra-op threads); a DTensor's host wrapper is kept with its buffer. Buffers
+are pinned when the tensors live on an accelerator, so the device-to-host copies run
+asynchronously and are waited for once.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -27,49 +34,56 @@ class Stager:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        # key -> (the DTensor spec it was made for, the DTensor over the key's buffer)
+        self._wrapped: dict[str, tuple[object, DTensor]] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def stage(
-        self, tensors: Mapping[str, torch.Tensor], *, skip: Collection[str] = ()
-    ) -> dict[str, torch.Tensor]:
-        """Copies of ``tensors`` in host memory (DTensors stay DTensors, over host shards);
-        the keys in ``skip`` stay live (``guard.py`` copies them later, if at all), and keep
-        their buffers from earlier saves."""
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of ``tensors`` in host memory, complete when this returns (DTensors stay
+        DTensors, over host shards). Buffers of keys no longer given are released."""
+        buffers: dict[str, torch.Tensor] = {}
+        wrapped: dict[str, tuple[object, DTensor]] = {}
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         staged: dict[str, torch.Tensor] = {}
-        buffers = {k: self.buffers[k] for k in skip if k in self.buffers}
-        devices: set[torch.device] = set()
         for key, value in tensors.items():
-            if key in skip:
-                staged[key] = value
-                continue
-            local = value.to_local() if isinstance(value, DTensor) else value
-            buffer = buffers[key] = self._copy_into(key, local.detach())
-            if local.device.type != "cpu" and buffer.is_pinned():
-                devices.add(local.device)
-            staged[key] = (
-                DTensor(buffer, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
-                if isinstance(value, DTensor)
-                else buffer
-            )
-        for device in devices:  # the non-blocking copies: done before anyone reads the buffers
-            module = getattr(torch, device.type, None)
-            if module is not None and hasattr(module, "synchronize"):
-                module.synchronize(device)
-        self.buffers = buffers  # buffers of keys gone from the model are released
+            local = (value._local_tensor if isinstance(value, DTensor) else value).detach()
+            buffer = buffers[key] = self._buffer(key, local)
+            targets, sources = by_device.setdefault(local.device, ([], []))
+            targets.append(buffer)
+            sources.append(local)
+            staged[key] = buffer
+            if isinstance(value, DTensor):
+                staged[key] = self._wrap(key, value, buffer, wrapped)
+        for device, (targets, sources) in by_device.items():
+            host = device.type == "cpu"
+            torch._foreach_copy_(targets, sources, non_blocking=not host)
+            if not host:  # the non-blocking copies: done before anyone reads the buffers
+                module = getattr(torch, device.type, None)
+                if module is not None and hasattr(module, "synchronize"):
+                    module.synchronize(device)
+        self.buffers, self._wrapped = buffers, wrapped
         return staged
 
-    def copy(self, key: str, local: torch.Tensor) -> torch.Tensor:
-        """A host copy of one host tensor in ``key``'s buffer (``guard.py``, before a step)."""
-        buffer = self.buffers[key] = self._copy_into(key, local.detach())
-        return buffer
-
-    def _copy_into(self, key: str, local: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffer(key, local)
-        buffer.copy_(local, non_blocking=local.device.type != "cpu" and buffer.is_pinned())
-        return buffer
+    def _wrap(
+        self,
+        key: str,
+        value: DTensor,
+        buffer: torch.Tensor,
+        out: dict[str, tuple[object, DTensor]],
+    ) -> DTensor:
+        """A DTensor like ``value`` over ``buffer`` (the one made last time, when the spec and
+        the buffer are the same: making one costs more than copying a small shard)."""
+        spec = value._spec
+        kept = self._wrapped.get(key)
+        if kept is not None and kept[0] is spec and kept[1]._local_tensor is buffer:
+            out[key] = kept
+            return kept[1]
+        made = DTensor(buffer, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        out[key] = (spec, made)
+        return made
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(key)

@@ -73,7 +73,6 @@ from fprep.checkpoint.files import (
     record_of,
     write_durable,
 )
-from fprep.checkpoint.guard import Guard
 from fprep.errors import CheckpointError
 from fprep.progress import Progress
 
@@ -182,11 +181,9 @@ class _Hasher:
         self._pending: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._in_flight = 0
 
-    def update(self, view: Any, owner: Any, then: Callable[[], object] | None = None) -> None:
-        """Hash ``view`` after what came before; ``then()`` runs once it is hashed (or failed)."""
+    def update(self, view: Any, owner: Any) -> None:
+        """Hash ``view`` after what came before (``owner`` kept alive until it is hashed)."""
         job = self._pool.submit(self._digest.update, view)
-        if then is not None:
-            job.add_done_callback(lambda _: then())
         self._pending.append((job, (view, owner), len(view)))
         self._in_flight += len(view)
         while self._in_flight > _IN_FLIGHT and self._pending:
@@ -233,8 +230,6 @@ class SafeWriter(StorageWriter):
         self.progress = progress
         self.files: dict[str, FileRecord] = {}
         self.rank = 0
-        #: an asynchronous save's live tensors (``guard.py``): told what is read, and when
-        self.guard: Guard | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -259,8 +254,6 @@ class SafeWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         _little_endian()
-        if self.guard is not None:
-            self.guard.expect(collections.Counter(item.index.fqn for item in plan.items))
         buckets = split(plan.items)
         names = [f"{plan.storage_data}{j}.distcp" for j in range(len(buckets))]
         results: list[WriteResult] = []
@@ -276,9 +269,6 @@ class SafeWriter(StorageWriter):
                     ]
                 for job in jobs:
                     results += job.result()
-        changed = None if self.guard is None else self.guard.failure()
-        if changed is not None:
-            raise changed
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -303,12 +293,12 @@ class SafeWriter(StorageWriter):
                     f.write(_ZEROS[:pad])
                     hasher.update(_ZEROS[:pad], None)
                     position += pad
-                t, read = self._read(planner, item)
+                t = self._tensor(planner, item)
                 view = byte_view(t)
                 try:
                     f.write(view)
                 finally:
-                    hasher.update(view, t, read)  # hashed in order on another thread
+                    hasher.update(view, t)  # hashed in order on another thread
                 nbytes = t.numel() * t.element_size()
                 results.append(
                     WriteResult(
@@ -333,27 +323,9 @@ class SafeWriter(StorageWriter):
     def _open(self, name: str) -> IO[bytes]:
         return open(self.path / name, "wb") if self.opener is None else self.opener(name)
 
-    def _read(
-        self, planner: SavePlanner, item: Any
-    ) -> tuple[torch.Tensor, Callable[[], object] | None]:
-        """The chunk to write, and what to call once its bytes are written and hashed (a live
-        tensor of an asynchronous save: until then the guard keeps the optimizer off it)."""
-        if self.guard is None:
-            return self._tensor(planner, item), None
-        guard, key = self.guard, item.index.fqn
-        staged = guard.begin(item)
-        if staged is not None:
-            return self._tensor(planner, item, staged), None
-        try:
-            return self._tensor(planner, item), lambda: guard.end(key)
-        except BaseException:
-            guard.end(key)
-            raise
-
     @staticmethod
-    def _tensor(planner: SavePlanner, item: Any, data: Any = None) -> torch.Tensor:
-        if data is None:
-            data = planner.resolve_data(item)
+    def _tensor(planner: SavePlanner, item: Any) -> torch.Tensor:
+        data = planner.resolve_data(item)
         if not isinstance(data, torch.Tensor) or item.tensor_data is None:
             raise CheckpointError(
                 f"checkpoint entry {item.index.fqn!r} is not a tensor.", subject=item.index.fqn
@@ -596,6 +568,16 @@ class SafeReader(StorageReader):
             self._bar.total += sum(self.files[name].size for name in names)
         for name in names:
             self._opening[name] = self._pool.submit(self._open_one, name)
+
+    def check_files(self, names: list[str]) -> None:
+        """Open and check ``names`` (in parallel), then close them: the files a save wrote, read
+        back before it publishes (``guard.py``)."""
+        try:
+            opened = self._open_all(names)
+        except OSError as e:
+            raise read_failure(e, self.path) from e
+        for source in opened.values():
+            source.close()
 
     def close(self) -> None:
         """Wait for the checks still running and close every file (when ``read_data`` did not

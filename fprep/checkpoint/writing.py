@@ -14,8 +14,10 @@ Order of work (every rank, collectives in the same order):
 
 Steps 1-2 are ``collect`` (the foreground of an asynchronous save: ``background.py`` stages the
 tensors in host memory there), steps 3-5 ``write_and_publish`` (its background thread, on a
-process group of its own); a synchronous ``save`` runs both in turn. The root's lock is taken
-in ``collect`` and released when ``write_and_publish`` ends, so it spans the whole save.
+process group of its own, with one more check between 3 and 4: each rank reads back the files it
+wrote and checks their digests, ``guard.py``); a synchronous ``save`` runs both in turn. The
+root's lock is taken in ``collect`` and released when ``write_and_publish`` ends, so it spans the
+whole save.
 """
 
 from __future__ import annotations
@@ -37,18 +39,14 @@ from fprep.checkpoint.backend import Releasable, Store, open_store
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.encoding import encode
 from fprep.checkpoint.files import FileRecord
-from fprep.checkpoint.guard import Guard
+from fprep.checkpoint.guard import verify_written
 from fprep.checkpoint.manifest import Manifest, RankRecord
 from fprep.checkpoint.states import model_tensors, split_optimizers
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState, need
 
-#: ``collect``'s staging step: this rank's tensors and the optimizers -> what the writer reads,
-#: and the guard of the tensors it reads live (None: none)
-Stage = Callable[
-    [dict[str, torch.Tensor], tuple[torch.optim.Optimizer, ...]],
-    tuple[dict[str, torch.Tensor], Guard | None],
-]
+#: ``collect``'s staging step: this rank's tensors -> what the writer reads (private copies)
+Stage = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
@@ -124,11 +122,10 @@ def collect(
     stage: Stage | None = None,
 ) -> Collected:
     """Steps 1 and 2: check and collect everything, take the lock, make the staging place,
-    agree. ``stage(tensors, optimizers)`` (asynchronous saves) replaces the live tensors by
-    copies, or guards them (``guard.py``; the guard goes to ``Collected.guard``), before the
-    agreement, so that a rank failing to stage fails every rank. Collectives: the default
-    group only. The lock a returned ``Collected`` holds is released by ``write_and_publish``
-    (and a guard closed by whoever runs it); on failure both are released here.
+    agree. ``stage(tensors)`` (asynchronous saves) replaces the live tensors by private copies
+    before the agreement, so that a rank failing to stage fails every rank. Collectives: the
+    default group only. The lock a returned ``Collected`` holds is released by
+    ``write_and_publish``; on failure it is released here.
     """
     step, keep_last, scheduler, loader = args.step, args.keep_last, args.scheduler, args.loader
     root = open_store(path)  # the same on every rank: a URL without fsspec fails on each
@@ -154,10 +151,7 @@ def collect(
             scaler = _grad_scaler_state(state)
             tensors: dict[str, torch.Tensor] = model_tensors(state, model, for_save=True)
             records = split_optimizers(state, model, opts, tensors, for_save=True)
-            if stage is None:
-                collected.tensors = tensors
-            else:
-                collected.tensors, collected.guard = stage(tensors, opts)
+            collected.tensors = tensors if stage is None else stage(tensors)
             collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
             collected.manifest = Manifest(
                 step=step,
@@ -187,22 +181,28 @@ def collect(
     except BaseException:
         if lock is not None:
             lock.release()
-        if collected.guard is not None:
-            collected.guard.close()
         raise
     collected.tmp, collected.lock = names[0], lock
     return collected
 
 
 def write_and_publish(
-    collected: Collected, group: Group, *, process_group: Any = None, progress: bool = True
+    collected: Collected,
+    group: Group,
+    *,
+    process_group: Any = None,
+    progress: bool = True,
+    verify: bool = False,
 ) -> Path | str:
     """Steps 3 to 5: write the tensors and ``metadata.json``, then (rank 0) the manifest;
     publish; release the lock. Every collective runs on ``group`` (and DCP's on
     ``process_group``, None for the default group). ``progress``: rank 0 may draw a progress
-    line."""
+    line. ``verify``: every rank reads back its files and checks their digests before
+    anything is published (``guard.py``; asynchronous saves)."""
     try:
         _write_tensors(collected, group, process_group=process_group, progress=progress)
+        if verify:
+            _verify(collected, group)
         return _publish(collected, group)
     finally:
         if collected.lock is not None:
@@ -226,7 +226,6 @@ class Collected:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     rank: RankRecord = field(default_factory=RankRecord)
     files: dict[str, FileRecord] = field(default_factory=dict)  # written by this rank
-    guard: Guard | None = None  # an asynchronous save's live tensors (``guard.py``)
 
 
 def _write_tensors(
@@ -236,7 +235,6 @@ def _write_tensors(
     ``collected``."""
     root, tmp = collected.root, collected.tmp
     writer = root.writer(tmp, progress=progress and group.rank == 0)
-    writer.guard = collected.guard
     try:
         with group.dcp_call():
             dcp_save(
@@ -253,6 +251,20 @@ def _write_tensors(
         raise unwrap_dcp_error(e) from None
     collected.tensors = {}  # written: free them (a full state dict on rank 0 is a whole model)
     collected.files = dict(writer.files)
+
+
+def _verify(collected: Collected, group: Group) -> None:
+    """Every rank reads back the files it wrote; all agree (nothing published on a failure)."""
+    error: BaseException | None = None
+    try:
+        verify_written(collected.root, collected.tmp, collected.files, collected.step)
+    except Exception as e:
+        error = e if isinstance(e, PrepError) else _failed("verifying", collected.root, e)
+    try:
+        group.agree(error)
+    except BaseException:
+        _discard(collected.root, collected.tmp, group)
+        raise
 
 
 def _publish(collected: Collected, group: Group) -> Path | str:
