@@ -66,7 +66,9 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return t.view(-1).view(torch.uint8).numpy().data
 
 
-def _read_into(fd: int, view: memoryview, offset: int, file: str, progress: Progress) -> None:
+def _read_into(
+    fd: int, view: memoryview, offset: int, file: str, progress: Progress | None
+) -> None:
     done = 0
     while done < len(view):
         part = view[done : done + _MAX_READ]
@@ -82,7 +84,8 @@ def _read_into(fd: int, view: memoryview, offset: int, file: str, progress: Prog
                 hint="The file was truncated or replaced after prepare read its header.",
             )
         done += n
-        progress.advance(n)
+        if progress is not None:
+            progress.advance(n)
 
 
 class _Reader:
@@ -112,12 +115,8 @@ class _Reader:
         """Elements ``[start, start + count)`` of ``read``, read into ``out`` (bytes)."""
         itemsize = ITEMSIZE[read.dtype]
         part = out[: count * itemsize]
-        _read_into(
-            self.fds[read.file],
-            _byte_view(part),
-            read.offset + start * itemsize,
-            read.file,
-            self.progress,
+        _read_into(  # a check, not progress
+            self.fds[read.file], _byte_view(part), read.offset + start * itemsize, read.file, None
         )
         return part.view(_dtype(read.dtype))
 
