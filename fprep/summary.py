@@ -78,6 +78,7 @@ def summarize(state: PrepState) -> str:
         *(state.core.notes if state.core else ()),
         *(state.ignored.notes if state.ignored else ()),
         *(state.param_handles.materialize.notes if state.param_handles else ()),
+        *(state.state_dict.weights.notes if state.state_dict and state.state_dict.weights else ()),
     ]
     lines.extend(f"  note        {n}" for n in notes)
     if state.applied:

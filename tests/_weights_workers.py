@@ -4,6 +4,7 @@ functions are pickled into spawned ranks)."""
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,80 @@ def rank_round_trip(llama: Path, gpt2: Path, out: Path) -> dict[str, Any]:
     results["trained"] = buffer.getvalue()
     results["changed"] = not torch.equal(trained["lm_head.weight"], want["llama"]["lm_head.weight"])
     return results
+
+
+def save_seeded(directory: Path, seed: int) -> Path:
+    """A llama revision: the same headers for every seed, other values."""
+    torch.manual_seed(seed)
+    LlamaForCausalLM(llama_config()).to(torch.bfloat16).save_pretrained(
+        directory, max_shard_size="20KB"
+    )
+    return directory
+
+
+def _message(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except fprep.CheckpointError as e:
+        return e.message, e.subject
+    return "loaded", ""
+
+
+def rank_changed_weights(root: Path) -> dict[str, Any]:
+    """Ranks given different revisions; a shard replaced between ranks; a rank failing after
+    the other wrote everything; then a good load (see test_weights_changed)."""
+    from fprep.apply import load_weights as module
+
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    mine = save_seeded(root / f"rev{rank}", seed=rank)
+    out["revisions"], out["revisions_subject"] = _message(
+        lambda: prepared("llama", mine, strategy="fsdp")
+    )
+    shared, other = root / "shared", root / "other"
+    if rank == 0:
+        save_seeded(shared, seed=0)
+        save_seeded(other, seed=3)
+    dist.barrier()  # the process group the first prepare connected stays for a retry
+    victim = sorted(shared.glob("model-*.safetensors"))[0]
+
+    @fprep.step("replace")
+    def replace(state: Any, model: nn.Module) -> tuple[Any, nn.Module]:
+        if rank == 1:
+            os.replace(other / victim.name, victim)
+        return state, model
+
+    steps = list(fprep.default_steps())
+    steps.insert(steps.index(module.load_weights), replace)
+    model = on_meta("llama")
+    out["replaced"], _ = _message(
+        lambda: fprep.prepare(
+            model, fprep.PrepConfig(weights=str(shared), strategy="fsdp"), steps=steps
+        )
+    )
+    out["replaced_meta"] = all(p.is_meta for p in model.parameters())
+    dist.barrier()
+
+    torch.manual_seed(7)
+    real = LlamaForCausalLM(llama_config())
+    before = {k: v.clone() for k, v in real.state_dict().items()}
+    if rank == 1:
+        original = module._Reader.check_unchanged
+
+        def late(self: Any) -> None:
+            original(self)
+            raise fprep.CheckpointError("rank 1 failed late", subject="late")
+
+        module._Reader.check_unchanged = late  # type: ignore[method-assign]
+    try:
+        out["late_failure"], _ = _message(
+            lambda: fprep.prepare(real, fprep.PrepConfig(weights=str(shared), strategy="ddp"))
+        )
+    finally:
+        if rank == 1:
+            module._Reader.check_unchanged = original  # type: ignore[method-assign]
+    now = real.state_dict()
+    out["late_identical"] = all(torch.equal(now[k], v) for k, v in before.items())
+    _, model = prepared("llama", shared, strategy="fsdp")
+    out["ok"] = mismatches(full_state(model), reference(shared))
+    return out

@@ -25,8 +25,8 @@ def test_a_valid_file_reads_back_its_tensors(tmp_path: Path) -> None:
     a = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     b = torch.ones(5, dtype=torch.int64)
     path = write_safetensors(tmp_path / "w.safetensors", {"a": a, "b": b, "e": torch.ones(0, 3)})
-    tensors, size = read_header(str(path))
-    assert size == path.stat().st_size
+    tensors, file = read_header(str(path))
+    assert file.size == path.stat().st_size
     by_key = {t.key: t for t in tensors}
     assert (by_key["a"].dtype, by_key["a"].shape, by_key["a"].nbytes) == ("bfloat16", (3, 4), 24)
     raw = path.read_bytes()

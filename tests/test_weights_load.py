@@ -89,7 +89,7 @@ def test_a_file_changed_after_planning_fails_and_rolls_back(tmp_path: Path) -> N
     steps = list(fprep.default_steps())
     steps.insert(steps.index(load_weights), truncate)  # type: ignore[attr-defined]
     model = on_meta("gpt2")
-    with pytest.raises(CheckpointError, match="when its header was read") as info:
+    with pytest.raises(CheckpointError, match="when prepare planned") as info:
         fprep.prepare(model, fprep.PrepConfig(weights=str(directory)), steps=steps)
     assert info.value.subject == str(victim)
     assert model.lm_head.weight.is_meta  # rolled back

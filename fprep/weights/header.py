@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 from typing import Any
 
 from fprep.checkpoint.files import parse_json, read_failure
 from fprep.errors import CheckpointError
-from fprep.weights.records import SAFETENSORS_DTYPES, WeightsTensor
+from fprep.weights.identity import digest, open_regular
+from fprep.weights.records import SAFETENSORS_DTYPES, WeightsFile, WeightsTensor
 
-#: The largest header the safetensors library itself accepts (100 MB).
-MAX_HEADER_BYTES = 100_000_000
+#: Bounds checked before a header is parsed (parsing costs ~700 bytes of Python objects per
+#: entry: 1.4M entries cost ~1 GB). Real headers are far smaller: a shard of a large MoE
+#: checkpoint lists a few thousand tensors (well under 1 MB of header); even DeepSeek-V3's or
+#: Kimi-K2's ~90k-150k tensors in one file would need ~10-20 MB. The safetensors library itself
+#: accepts up to 100 MB.
+MAX_HEADER_BYTES = 32 << 20
+MAX_TENSORS = 1 << 18
+_CHUNK = 1 << 20
 
 _NOT_SAFETENSORS = (
     "Pass a .safetensors file or a save_pretrained directory (model.safetensors, or shards with "
@@ -52,12 +58,41 @@ def header_length(prefix: bytes, file_size: int, file: str) -> int:
     n = int.from_bytes(prefix[:8], "little")
     if n < 2 or n > MAX_HEADER_BYTES or n > file_size - 8:
         raise CheckpointError(
-            f"{file} is not a safetensors file: its first 8 bytes give a header of {n} bytes "
-            f"(the file has {file_size - 8} after them; at most {MAX_HEADER_BYTES} accepted).",
+            f"{file} is not a safetensors file fprep reads: its first 8 bytes give a header of "
+            f"{n} bytes (the file has {file_size - 8} after them; at most {MAX_HEADER_BYTES} "
+            "accepted).",
             subject=file,
             hint=_NOT_SAFETENSORS,
         )
     return n
+
+
+def _too_many(file: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file}'s header describes more than {MAX_TENSORS} tensors (counted before parsing "
+        "it); no real checkpoint file holds that many.",
+        subject=file,
+        hint=_NOT_SAFETENSORS,
+    )
+
+
+def _read_bounded(fd: int, n: int, file: str) -> bytes:
+    """The ``n`` header bytes after the length, refused as soon as they open more objects than
+    ``MAX_TENSORS`` entries need (every entry is a JSON object: one ``{`` each)."""
+    chunks: list[bytes] = []
+    objects = 0
+    for start in range(8, 8 + n, _CHUNK):
+        part = os.pread(fd, min(_CHUNK, 8 + n - start), start)
+        objects += part.count(b"{")
+        if objects > MAX_TENSORS + 2:  # + the header itself and __metadata__
+            raise _too_many(file)
+        chunks.append(part)
+        if len(part) < min(_CHUNK, 8 + n - start):
+            break
+    header = b"".join(chunks)
+    if len(header) != n:
+        raise _bad(file, f"the file changed while its header was read ({len(header)} of {n}).")
+    return header
 
 
 def _int(value: Any) -> bool:
@@ -141,23 +176,34 @@ def parse(header: bytes, file_size: int, file: str) -> tuple[WeightsTensor, ...]
     return tuple(tensors)
 
 
-def read_header(path: str) -> tuple[tuple[WeightsTensor, ...], int]:
-    """``(tensors, file size)`` of the safetensors file at ``path``, read and checked.
+def read_header(path: str) -> tuple[tuple[WeightsTensor, ...], WeightsFile]:
+    """The tensors of the safetensors file at ``path``, read and checked, and what the load
+    checks it still is (``WeightsFile``).
 
-    Only the header is read. Symbolic links are followed (the Hugging Face cache links every
-    file to a blob) but the target must be a regular file.
+    Only the header (and the digest's sampled blocks) is read. Symbolic links are resolved
+    here, once (the Hugging Face cache links every file to a blob); the target is opened
+    without following links or blocking and must be a regular file.
     """
+    real = os.path.realpath(path)
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(
-                f"{path} is not a regular file.", subject=path, hint=_NOT_SAFETENSORS
-            )
-        with open(path, "rb") as f:
-            n = header_length(f.read(8), info.st_size, path)
-            header = f.read(n)
+        fd, info = open_regular(real, path)
+        try:
+            n = header_length(os.pread(fd, 8, 0), info.st_size, path)
+            header = _read_bounded(fd, n, path)
+            dig = digest(fd, info.st_size, 8 + n, path, n.to_bytes(8, "little") + header)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise read_failure(e, path) from None
-    if len(header) != n:
-        raise _bad(path, f"the file changed while its header was read ({len(header)} of {n}).")
-    return parse(header, info.st_size, path), info.st_size
+    tensors = parse(header, info.st_size, path)
+    file = WeightsFile(
+        path=path,
+        real=real,
+        size=info.st_size,
+        device=info.st_dev,
+        inode=info.st_ino,
+        mtime_ns=info.st_mtime_ns,
+        header_bytes=8 + n,
+        digest=dig,
+    )
+    return tensors, file

@@ -1,11 +1,12 @@
 """Pure matching of a weights snapshot against the model: what each rank reads, or why not.
 
 Every parameter (by any of its names: a tied parameter is read once, from whichever of its
-names the file has, canonical first) and every persistent buffer must be in the file, and every
-tensor of the file must belong to the model, unless ``PrepConfig.weights_missing_keys`` /
-``weights_extra_keys`` allow it. Shapes must be equal; dtypes must be of the same kind (any
-floating point dtype loads into any other, cast as it is read; integers, booleans and complex
-numbers must match exactly).
+names the file has, canonical first; when the file has several, the load compares them first
+and refuses different values: transformers would untie the parameter, fprep cannot) and every
+persistent buffer must be in the file, and every tensor of the file must belong to the model,
+unless ``PrepConfig.weights_missing_keys`` / ``weights_extra_keys`` allow it. Shapes must be
+equal; dtypes must be of the same kind (any floating point dtype loads into any other, cast as
+it is read; integers, booleans and complex numbers must match exactly).
 
 A parameter sharded on dim 0 (fsdp, hsdp) is row-major, so this rank's rows are one contiguous
 byte range of the file: ``[offset + c*r*row, offset + (c*r + rows)*row)`` with ``c`` rows per
@@ -63,7 +64,12 @@ def _check_fits(t: WeightsTensor, name: str, shape: tuple[int, ...], dtype: str)
 
 
 def _read(
-    t: WeightsTensor, name: str, kind: str, dtype: str, shard: tuple[int, int] | None
+    t: WeightsTensor,
+    name: str,
+    kind: str,
+    dtype: str,
+    shard: tuple[int, int] | None,
+    keep: bool = False,
 ) -> TensorRead:
     """This rank's bytes of ``t``: its dim-0 shard (``shard``: world, rank), or everything."""
     offset, nbytes = t.offset, t.nbytes
@@ -81,6 +87,7 @@ def _read(
         target_dtype=dtype,
         offset=offset,
         nbytes=nbytes,
+        keep=keep,
     )
 
 
@@ -100,6 +107,7 @@ def plan_weights(
     kept_whole = frozenset(whole)
     used: set[str] = set()
     reads: list[TensorRead] = []
+    same_as: list[TensorRead] = []
     missing: list[str] = []
     allowed_missing: list[str] = []
     provided: set[str] = set()  # model names (every name of a tied parameter) read from the file
@@ -113,7 +121,10 @@ def plan_weights(
         used.update(present)
         provided.update(p.names)
         split = None if p.fqn in kept_whole or not p.shape else shard
-        reads.append(_read(by_key[present[0]], p.fqn, "param", p.dtype, split))
+        keep = not p.is_meta
+        reads.append(_read(by_key[present[0]], p.fqn, "param", p.dtype, split, keep))
+        # the file's other names of a tied parameter: compared with the first before loading
+        same_as.extend(_read(by_key[n], p.fqn, "param", p.dtype, split) for n in present[1:])
     for b in tree.buffers:
         t = by_key.get(b.fqn) if b.persistent else None
         if t is None:
@@ -123,7 +134,7 @@ def plan_weights(
         _check_fits(t, b.fqn, b.shape, b.dtype)
         used.add(b.fqn)
         provided.add(b.fqn)
-        reads.append(_read(t, b.fqn, "buffer", b.dtype, None))
+        reads.append(_read(t, b.fqn, "buffer", b.dtype, None, not b.is_meta))
     if missing:
         raise CheckpointError(
             f"{weights.source} has no tensor for the model's {_listing(missing)} "
@@ -150,6 +161,8 @@ def plan_weights(
         loaded_modules=_loaded_modules(tree, provided),
         skipped_keys=tuple(t.key for t in unexpected),
         missing_keys=tuple(allowed_missing),
+        same_as=tuple(same_as),
+        notes=weights.notes,
     )
 
 

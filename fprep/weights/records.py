@@ -48,15 +48,41 @@ class WeightsTensor:
 
 
 @dataclass(frozen=True)
+class WeightsFile:
+    """One weights file as planning saw it: what the load checks it still is.
+
+    ``real`` is the path with every link resolved (the Hugging Face cache links each file to a
+    blob): the load opens it without following links, so what it reads is what was planned.
+    ``digest`` (``fprep.weights.identity``) covers the header and sampled data blocks.
+    """
+
+    path: str  # as the checkpoint names it (in messages)
+    real: str
+    size: int
+    device: int  # st_dev
+    inode: int  # st_ino
+    mtime_ns: int
+    header_bytes: int  # 8 + the header's length
+    digest: str
+
+    @property
+    def identity(self) -> tuple[int, int, int, int]:
+        """What ``fstat`` must still say: (device, inode, size, mtime)."""
+        return (self.device, self.inode, self.size, self.mtime_ns)
+
+
+@dataclass(frozen=True)
 class WeightsSnapshot:
     """The headers of every file of a pretrained checkpoint (``PrepConfig.weights``).
 
-    ``files`` are ``(path, size in bytes)``: the load checks that they did not change since.
+    ``files``: what the load checks did not change since; ``notes``: how an ambiguous
+    checkpoint was resolved (shown by ``fprep.summary``).
     """
 
     source: str
     tensors: tuple[WeightsTensor, ...]
-    files: tuple[tuple[str, int], ...]
+    files: tuple[WeightsFile, ...]
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,9 @@ class TensorRead:
     target_dtype: str  # dtype of the parameter or buffer
     offset: int  # absolute byte offset of this rank's first byte
     nbytes: int  # this rank's bytes (its rows under fsdp / hsdp, the whole tensor otherwise)
+    #: The destination holds the model's own values (it was not on the meta device): they are
+    #: kept aside before it is overwritten and put back if the load fails.
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,13 +108,17 @@ class WeightsPlan:
 
     source: str
     reads: tuple[TensorRead, ...]
-    files: tuple[tuple[str, int], ...]
+    files: tuple[WeightsFile, ...]
     #: Modules all of whose parameters and buffers the file provides: not initialized at all.
     loaded_modules: tuple[str, ...]
     #: Keys of the file that the model does not have, allowed by ``weights_extra_keys``.
     skipped_keys: tuple[str, ...] = ()
     #: Parameters and buffers the file lacks, allowed by ``weights_missing_keys``.
     missing_keys: tuple[str, ...] = ()
+    #: A tied parameter the file holds under several names: each other name's bytes (``name``:
+    #: the parameter), compared with the read of ``name`` before anything is written.
+    same_as: tuple[TensorRead, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
