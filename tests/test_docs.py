@@ -11,22 +11,48 @@ import pytest
 from _doc_messages import Quote, matches, message_templates, quoted_messages, render
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-BLOCKS = [
-    (page.name, i, code)
+#: A block that starts with this line goes on from the block before it on its page (a page
+#: written as one script, docs/finetune.md): the two run in one namespace, in order.
+CONTINUES = "# continues the block above"
+PAGES = {
+    page.name: re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     for page in sorted(DOCS.glob("*.md"))
-    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))
-]
+}
+BLOCKS = [(page, i, code) for page, blocks in PAGES.items() for i, code in enumerate(blocks)]
+
+
+def _chain(page: str, index: int) -> list[int]:
+    """The blocks that run together to run block ``index``: it and those it continues."""
+    start = index
+    while start > 0 and PAGES[page][start].startswith(CONTINUES):
+        start -= 1
+    return list(range(start, index + 1))
 
 
 @pytest.mark.parametrize(("page", "index", "code"), BLOCKS, ids=[f"{p}[{i}]" for p, i, _ in BLOCKS])
 def test_doc_example_runs(page: str, index: int, code: str) -> None:
-    if "import " not in code:
+    blocks = PAGES[page]
+    if index + 1 < len(blocks) and blocks[index + 1].startswith(CONTINUES):
+        pytest.skip(f"runs as the start of docs/{page}[python {index + 1}], which continues it")
+    chain = _chain(page, index)
+    if "import " not in blocks[chain[0]]:
         pytest.skip("an illustration, not a program (no imports)")
     namespace: dict[str, object] = {"__name__": f"docs_{page}_{index}"}
-    exec(compile(code, f"docs/{page}[python {index}]", "exec"), namespace)
+    for i in chain:
+        exec(compile(blocks[i], f"docs/{page}[python {i}]", "exec"), namespace)
     for name, value in list(namespace.items()):
         if name.startswith("test_") and callable(value):
             value()
+
+
+def test_continued_blocks_follow_a_program() -> None:
+    """A continuation marker on a page's first block, or after a block without imports (an
+    illustration, never run), would silently run less than the page shows."""
+    for page, blocks in PAGES.items():
+        for i, code in enumerate(blocks):
+            if code.startswith(CONTINUES):
+                assert i > 0, f"docs/{page}[python 0] continues nothing"
+                assert "import " in blocks[_chain(page, i)[0]], f"docs/{page}[python {i}]"
 
 
 # -- error messages quoted in docs/ -----------------------------------------------------------
