@@ -55,6 +55,39 @@ def test_continued_blocks_follow_a_program() -> None:
                 assert "import " in blocks[_chain(page, i)[0]], f"docs/{page}[python {i}]"
 
 
+# -- command output shown in docs/ ------------------------------------------------------------
+#: A `text` block right after a `bash` block whose first line is one of these commands shows its
+#: output (`...` for lines left out); the test runs the command and compares.
+OUTPUT_OF = re.compile(r"```bash\n(fprep plan [^\n]*)\n.*?```\s*```text\n(.*?)```", re.S)
+OUTPUTS = [
+    (page.name, command, shown)
+    for page in sorted(DOCS.glob("*.md"))
+    for command, shown in OUTPUT_OF.findall(page.read_text())
+]
+
+
+@pytest.mark.parametrize(("page", "command", "shown"), OUTPUTS, ids=[c for _, c, _ in OUTPUTS])
+def test_shown_output_is_what_the_command_prints(
+    page: str, command: str, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shlex
+
+    from fprep.cli import main
+
+    assert main(shlex.split(command)[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in shown.splitlines():
+        if line.strip() == "...":
+            continue
+        assert line in printed[at:], f"docs/{page}: `{command}` no longer prints {line!r}"
+        at = printed.index(line, at) + 1
+
+
+def test_some_output_is_checked() -> None:
+    assert any(page == "getting_started.md" for page, _, _ in OUTPUTS)
+
+
 # -- error messages quoted in docs/ -----------------------------------------------------------
 QUOTES = [q for page in sorted(DOCS.glob("*.md")) for q in quoted_messages(page)]
 
@@ -122,3 +155,30 @@ def test_prepared_loader_never_draws_from_the_global_rng() -> None:
 
     assert draws(DataLoader(data, batch_size=4, shuffle=True))
     assert not draws(prepared) and not draws(prepared, resume=True)
+
+
+# -- links between the pages ------------------------------------------------------------------
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_links_between_pages_lead_somewhere() -> None:
+    """Every relative link in docs/ and the README names a page that exists and, with #anchor,
+    a heading on it: a newcomer following one never lands nowhere."""
+    root = DOCS.parent
+    pages = [*sorted(DOCS.glob("*.md")), root / "README.md"]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*\.md)?(?:#([^)\s]+))?\)", text):
+            linked = (page.parent / target) if target else page
+            if not linked.is_file():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and anchor not in _anchors(linked.read_text()):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert not broken, broken
