@@ -1,5 +1,6 @@
-"""Every Python example in docs/ runs against the current code, and every error message the
-docs quote is printed by a raise site in fprep/."""
+"""Every Python example in docs/ runs against the current code (a page may be one script in
+several blocks: see CONTINUES), every error message the docs quote is printed by a raise site in
+fprep/, the `fprep plan` output shown is what it prints, and links between pages lead somewhere."""
 
 from __future__ import annotations
 
