@@ -4,6 +4,12 @@ A frozen ``PrepState`` is computed by pure transitions over snapshots of the mod
 and the config (``fprep.plan``); effectful steps then apply it with PyTorch's own engines.
 """
 
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from fprep.apply import Handles, Step, all_reduce_gradients, pipeline, step
 from fprep.checkpoint import export_full, load, save
 from fprep.config import DDPOptions, PrepConfig
@@ -57,7 +63,27 @@ from fprep.transitions import (
 )
 from fprep.unwrap import unwrap
 
+if TYPE_CHECKING:
+    from torch import nn
+
 __version__ = "0.1.0"
+
+
+def save_pretrained(
+    path: str | os.PathLike[str], state: PrepState, model: nn.Module, *, config: Any = None
+) -> Path | str:
+    """Write a directory ``from_pretrained(path)`` loads: the full model as
+    ``model.safetensors`` (``export_full``) and ``config.json`` (``model.config``, or
+    ``config=``), plus ``generation_config.json`` when the model has one. Call it on every rank;
+    rank 0 writes. ``model.save_pretrained`` on a sharded model does not gather its shards.
+    See docs/finetune.md.
+    """
+    from fprep.checkpoint.export import save_pretrained as _save_pretrained
+    from fprep.collectives import collective
+
+    with collective("fprep.save_pretrained", state.config.timeout_s):
+        return _save_pretrained(path, state, model, config)
+
 
 __all__ = [
     "DEFAULT_TRANSITIONS",
@@ -120,6 +146,7 @@ __all__ = [
     "print_once",
     "reduce",
     "save",
+    "save_pretrained",
     "set_seed",
     "step",
     "transition",

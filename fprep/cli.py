@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
@@ -64,6 +66,15 @@ def _build_on_meta(builder: Callable[[], Any]) -> torch.nn.Module:
     return model
 
 
+#: What the per-rank total leaves out: a plan knows no batch, sequence length or allocator.
+NOT_COUNTED = (
+    "the units gathered during forward and backward (up to two the size of the largest at "
+    "once, with prefetching)",
+    "activations (they grow with batch size and sequence length)",
+    "temporary buffers (collectives, allocator fragmentation, the CUDA context)",
+)
+
+
 def _memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
     mem = estimate_memory(state, async_checkpoint=async_checkpoint)
     rows = [
@@ -79,6 +90,12 @@ def _memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
     if async_checkpoint:  # fprep.save(wait=False): a staged copy, always in host memory
         rows.append(("host: async staging max", mem.checkpoint_staging("adam")))
     lines += [f"  {name:<24}{human_bytes(value):>14}" for name, value in rows]
+    lines += textwrap.wrap(
+        "the total leaves out: " + "; ".join(NOT_COUNTED) + ".",
+        width=96,
+        initial_indent="  ",
+        subsequent_indent="  ",
+    )
     return "\n".join(lines)
 
 
@@ -91,7 +108,10 @@ def _plan_json(state: PrepState) -> dict[str, Any]:
         "rank": state.topology.rank,
         "strategy": core.strategy if core else None,
         "units": [u.fqn for u in handles.units] if handles else [],
+        "nodes": state.topology.num_nodes,
+        "nproc_per_node": state.topology.local_world_size,
         "memory_bytes": {**dataclasses.asdict(mem), "total_adam": mem.total("adam")},
+        "total_leaves_out": list(NOT_COUNTED),
     }
 
 
@@ -106,6 +126,18 @@ def _check_nodes(args: argparse.Namespace) -> None:
             hint=f"Pass the processes per node, e.g. --world-size {args.world_size} "
             "--nproc-per-node 8.",
         )
+
+
+def _one_node_note(args: argparse.Namespace) -> str | None:
+    """Without ``--nproc-per-node`` the plan is for one node running every process: say so (on
+    stderr, so that ``--json`` stays parseable), since a job of many ranks rarely is one."""
+    if args.nproc_per_node is not None or args.world_size <= 1:
+        return None
+    return (
+        f"fprep: note: no --nproc-per-node, so this plans one node running all "
+        f"{args.world_size} processes (rank {args.rank} as local rank {args.rank}); pass "
+        "--nproc-per-node with your nodes' process count (e.g. 8) for the real layout."
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -128,12 +160,37 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(result, Failure):
         raise result.failure()
     state = result.unwrap()
+    note = _one_node_note(args)
+    if note is not None:
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps(_plan_json(state), indent=2))
     else:
         print(state.summary())
         print(_memory_table(state, args.async_checkpoint))
     return 0
+
+
+def _versions() -> dict[str, str]:
+    """fprep's, Python's, torch's and (when installed) transformers' versions: what a bug report
+    needs first. transformers is optional: left out when it cannot be found, and read from its
+    package metadata, not imported (which takes seconds)."""
+    import importlib.metadata
+    import platform
+
+    from fprep import __version__
+
+    versions = {
+        "fprep": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if importlib.util.find_spec("transformers") is not None:
+        try:
+            versions["transformers"] = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:  # importable, yet not installed
+            versions["transformers"] = "(no package metadata)"
+    return versions
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -152,7 +209,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
         "PMI_RANK",
     )
     info = {
-        "torch": torch.__version__,
+        **_versions(),
         "device_type": detect_device_type(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "backends": {
@@ -241,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "env",
-        help="torch version, devices, backends, launcher variables",
-        description="Print the torch version, devices, process-group backends, the launcher's "
+        help="versions (fprep, Python, torch, transformers), devices, backends, launcher variables",
+        description="Print the versions of fprep, Python, torch and transformers (if installed), "
+        "the devices, process-group backends, the launcher's "
         "variables and the topology fprep reads from them.",
     )
     e.add_argument("--json", action="store_true", help="print it as JSON")

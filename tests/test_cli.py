@@ -117,3 +117,94 @@ def test_cli_and_demo_do_not_import_each_other() -> None:
     code = "import sys, fprep.demo; print('fprep.cli' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plan_total_says_what_it_leaves_out(
+    builder_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The total is a steady state: the gathered units, activations and temporary buffers come
+    on top, and both the table and --json say so."""
+    assert main(["plan", "cli_models:build", "--world-size", "4", "--nproc-per-node", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the note is wrapped over lines
+    leaves_out = out[out.index("the total leaves out:") :]
+    for what in ("units gathered during forward and backward", "activations", "temporary"):
+        assert what in leaves_out
+    assert main(["plan", "cli_models:build", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any("activations" in item for item in data["total_leaves_out"])
+
+
+def test_plan_warns_when_it_assumes_one_node(
+    builder_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A world size without --nproc-per-node plans one node of all the processes: a note on
+    stderr says so (stdout stays valid JSON); with the layout given, or one process, no note."""
+    assert main(["plan", "cli_models:build", "--world-size", "16", "--rank", "9", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["nodes"] == 1
+    assert captured.err.startswith("fprep: note: no --nproc-per-node")
+    assert "one node running all 16 processes" in captured.err
+    assert "rank 9 as local rank 9" in captured.err
+    argv = ["plan", "cli_models:build", "--world-size", "16", "--nproc-per-node", "4", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and json.loads(captured.out)["nodes"] == 4
+    assert main(["plan", "cli_models:build"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_env_prints_versions(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a bug report needs first: fprep's, Python's, torch's and transformers' versions."""
+    import platform
+
+    import transformers
+
+    import fprep
+
+    assert main(["env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fprep"] == fprep.__version__
+    assert data["python"] == platform.python_version()
+    assert data["transformers"] == transformers.__version__
+    assert main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["fprep", fprep.__version__]
+    assert any(line.split()[:1] == ["transformers"] for line in lines)
+
+
+def test_env_leaves_out_transformers_when_it_is_not_installed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    assert main(["env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "transformers" not in data and data["torch"].startswith("2.13")
+
+
+def test_python_dash_m_fprep_is_the_command_line(tmp_path: Path) -> None:
+    """`python -m fprep` works where the `fprep` script is not on PATH: same parser, same
+    one-line errors and exit statuses."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+    def fprep(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "fprep", *argv]
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    ok = fprep("env", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["torch"].startswith("2.13")
+    bad = fprep("plan", "nothing")
+    assert bad.returncode == 2 and bad.stderr.startswith("fprep: error: expected MODULE:BUILDER")
+    assert "Traceback" not in bad.stderr
+    assert "usage: fprep" in fprep("--help").stdout

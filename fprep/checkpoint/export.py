@@ -38,6 +38,7 @@ from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.storage import byte_view, progress
 from fprep.errors import CheckpointError
 from fprep.state import PrepState
+from fprep.unwrap import _original_class as original_class  # FSDP<Class> -> Class
 
 #: torch dtype -> safetensors dtype name
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -254,3 +255,126 @@ def _failed(error: Exception, target: Path | str) -> Exception:
 def _discard(sink: Sink | None) -> None:
     if sink is not None:
         sink.discard()
+
+
+#: What ``save_pretrained`` writes, under the names ``from_pretrained`` looks for.
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+#: A file that would take precedence over (or stand beside) ``model.safetensors`` for a reader.
+_SHADOWING = ("model.safetensors.index.json",)
+
+
+def save_pretrained(
+    path: str | os.PathLike[str], state: PrepState, model: nn.Module, config: Any = None
+) -> Path | str:
+    """A ``from_pretrained`` directory: ``export_full``'s ``model.safetensors`` and the model's
+    ``config.json`` (and ``generation_config.json`` when it has one). Call it on every rank.
+
+    ``model.save_pretrained`` on a sharded model gathers nothing (it fails on rank 0, or writes
+    a config without weights): this gathers as ``export_full`` does. The configuration is
+    serialized on every rank before anything is written, so a bad one fails with no effect;
+    the weights are written first and the configuration last, each file whole or not at all.
+    """
+    group = Group.of(state)
+    directory: Path | str = str(path).rstrip("/") if is_url(path) else Path(path)
+    error: BaseException | None = None
+    files: list[tuple[str, bytes]] = []
+    try:
+        files = _config_files(model, config)
+        if group.rank == 0:
+            _refuse_shadowing(directory)
+    except Exception as e:
+        error = _failed(e, directory)
+    group.agree(error)
+    export_full(_join(directory, WEIGHTS_NAME), state, model)
+    error = None
+    if group.rank == 0:
+        for name, data in files:
+            sink: Sink | None = None
+            try:
+                sink = open_sink(_join(directory, name))
+                sink.write(data)
+                sink.commit()
+                sink = None
+            except Exception as e:
+                error = _failed(e, _join(directory, name))
+                break
+            finally:
+                _discard(sink)
+    group.agree(error)
+    return directory
+
+
+def _join(directory: Path | str, name: str) -> Path | str:
+    return directory / name if isinstance(directory, Path) else f"{directory}/{name}"
+
+
+def _config_files(model: nn.Module, config: Any) -> list[tuple[str, bytes]]:
+    """``config.json`` (and ``generation_config.json``) as transformers writes them: the config
+    object's own ``to_json_string``, with ``dtype`` and ``architectures`` set as
+    ``model.save_pretrained`` sets them, on a copy (the caller's config is not changed)."""
+    owner = _config_owner(model)
+    if config is None:
+        config = getattr(owner, "config", None)
+    if config is None:
+        raise CheckpointError(
+            f"{type(model).__name__} has no .config (it is not a transformers model), so "
+            "there is no config.json to write.",
+            subject="config",
+            hint="Pass config= (a transformers config, or a dict), or write the weights alone "
+            "with fprep.export_full(path, state, model).",
+        )
+    if hasattr(config, "to_json_string"):
+        body = json.loads(config.to_json_string())
+    elif isinstance(config, dict):
+        body = dict(config)
+    else:
+        raise CheckpointError(
+            f"config must be a transformers config or a dict; got {type(config).__name__}.",
+            subject="config",
+            hint="Pass the model's config (model.config), or leave it out to use it.",
+        )
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if owner is not None and dtype is not None:  # the dtype export_full writes them in
+        body["dtype"] = str(dtype).removeprefix("torch.")
+        body["architectures"] = [original_class(owner).__name__]  # not FSDP<Class>
+    files = [(CONFIG_NAME, _json_bytes(body))]
+    generation = getattr(owner, "generation_config", None)
+    can_generate = getattr(owner, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        files.append((GENERATION_CONFIG_NAME, _json_bytes(json.loads(generation.to_json_string()))))
+    return files
+
+
+def _config_owner(model: nn.Module) -> nn.Module | None:
+    """The module that carries ``.config``: the model, or what DDP or ``torch.compile`` wrap."""
+    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, nn.Module) and getattr(candidate, "config", None) is not None:
+            return candidate
+    return None
+
+
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _refuse_shadowing(directory: Path | str) -> None:
+    """An index left by an earlier sharded save would be read instead of the new file (by
+    ``PrepConfig(weights=...)``) or beside it: refuse rather than leave an ambiguous folder."""
+    for name in _SHADOWING:
+        target = _join(directory, name)
+        if isinstance(target, Path):
+            exists = target.exists()
+        else:
+            from fprep.checkpoint.fsspec_store import file_system
+
+            fs, where = file_system(target)
+            exists = bool(fs.exists(where))
+        if exists:
+            raise CheckpointError(
+                f"{target} exists: it would be read instead of (or beside) the new "
+                f"{WEIGHTS_NAME}, from an earlier sharded save.",
+                subject=str(target),
+                hint="Save into an empty directory, or remove the old index and its shards.",
+            )
