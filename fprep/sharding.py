@@ -73,14 +73,16 @@ class TPLayout:
 
     def place(
         self, p: ParamInfo, shard: tuple[int, int] | None
-    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
-        """``(local shape, padded shape, mesh dims, placements)`` of ``p`` on this rank;
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+        """``(local shape, padded shape, mesh dims, placements, tp block shape)`` of ``p`` on
+        this rank;
         ``shard`` is ``(dp shard group size, this rank's index)`` under FSDP2, else None."""
         in_tp = p.fqn in self.params
         dim = self.params.get(p.fqn)
         local: tuple[int, ...] = p.shape
         if dim is not None:
             local = (*local[:dim], local_rows(local[dim], self.tp, self.tp_rank), *local[dim + 1 :])
+        block = local
         dims: list[str] = []
         placements: list[str] = []
         padded = local
@@ -93,4 +95,4 @@ class TPLayout:
         if in_tp:
             dims.append("tp")
             placements.append("Replicate()" if dim is None else f"Shard(dim={dim})")
-        return local, padded, tuple(dims), tuple(placements)
+        return local, padded, tuple(dims), tuple(placements), block

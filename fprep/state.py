@@ -243,6 +243,7 @@ class ShardSpec:
     #: empty otherwise.
     mesh_dims: tuple[str, ...] = ()
     placements: tuple[str, ...] = ()
+    tp_shape: tuple[int, ...] = ()  # the tensor-parallel block FSDP2 shards (and gathers)
 
     @property
     def numel(self) -> int:
@@ -255,6 +256,11 @@ class ShardSpec:
     @property
     def padded_numel(self) -> int:
         return _prod(self.padded_shape)
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements FSDP2's all-gather rebuilds: the tp block under tensor parallelism."""
+        return _prod(self.tp_shape) if self.tp_shape else self.numel
 
 
 @dataclass(frozen=True, kw_only=True)

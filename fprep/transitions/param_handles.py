@@ -232,8 +232,9 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None, layout: TPLayout | None =
         )
     dims: tuple[str, ...] = ()
     placements: tuple[str, ...] = ()
+    block: tuple[int, ...] = ()
     if layout is not None:
-        local, padded, dims, placements = layout.place(p, shard)
+        local, padded, dims, placements, block = layout.place(p, shard)
     elif shard is not None:
         local, padded = shard_shape(p.shape, *shard)
     else:
@@ -248,6 +249,7 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None, layout: TPLayout | None =
         requires_grad=p.requires_grad,
         mesh_dims=dims,
         placements=placements,
+        tp_shape=block,
     )
 
 
