@@ -28,6 +28,7 @@ from fprep.errors import (
 )
 from fprep.loop import accumulate, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
+from fprep.parallel_loop import loss_parallel
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
 from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
 from fprep.ranks import (
@@ -137,6 +138,7 @@ __all__ = [
     "initial_state",
     "is_main_process",
     "load",
+    "loss_parallel",
     "optimizer_step",
     "pipeline",
     "plan",

@@ -149,6 +149,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         precision=args.precision,
         wrap=wrap or None,
         sharding=args.sharding,
+        tp=args.tp,
+        hsdp_shard_size=args.hsdp_shard_size,
     )
     topo = Topology(
         world_size=args.world_size,
@@ -283,6 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         default=None,
         help="class names to wrap as units (default: the model's repeated blocks)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (the innermost mesh dim; the model's own plan): the "
+        "strategy shards or replicates over world-size / tp ranks (default 1)",
+    )
+    p.add_argument(
+        "--hsdp-shard-size",
+        type=int,
+        default=None,
+        help="with --strategy hsdp: data-parallel ranks per shard group (default: a node's)",
     )
     p.add_argument(
         "--json",

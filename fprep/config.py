@@ -258,6 +258,11 @@ class PrepConfig:
     sharding: Sharding = "full"
     reshard_after_forward: bool | int | None = None
     hsdp_shard_size: int | None = None
+    # tensor parallelism: tp ranks (innermost mesh dim) split each matched module; the strategy
+    # shards or replicates over the world / tp data-parallel ranks (docs/parallelism.md)
+    tp: int = 1
+    #: ``{module pattern: style}``; kept as sorted ``(pattern, style)`` pairs (``tp_plan_pairs``)
+    tp_plan: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
     # precision
     precision: Precision = "no"
     reduce_dtype: FloatDType | None = None
@@ -320,6 +325,8 @@ class PrepConfig:
             )
         if self.hsdp_shard_size is not None:
             _check_int(o, "hsdp_shard_size", self.hsdp_shard_size, minimum=1)
+        _check_int(o, "tp", self.tp, minimum=1)
+        object.__setattr__(self, "tp_plan", _normalize_tp_plan(self.tp_plan))
         _check_choice(o, "precision", self.precision, Precision)
         if self.reduce_dtype is not None:
             _check_choice(o, "reduce_dtype", self.reduce_dtype, FloatDType)
@@ -376,6 +383,12 @@ class PrepConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def tp_plan_pairs(self) -> tuple[tuple[str, str], ...] | None:
+        """``tp_plan`` as the sorted ``(pattern, style)`` pairs it is stored as."""
+        plan = self.tp_plan
+        return None if plan is None else tuple(plan.items() if isinstance(plan, Mapping) else plan)
+
+    @property
     def effective_reshard_after_forward(self) -> bool | int:
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
@@ -391,6 +404,8 @@ class PrepConfig:
                 value = dataclasses.asdict(value)
             elif f.name == "wrap":
                 value = _wrap_to_plain(value)
+            elif f.name == "tp_plan" and value is not None:
+                value = dict(value)
             elif f.name == "param_init_fn" and value is not None:
                 value = import_string(value, "param_init_fn")
             elif isinstance(value, tuple):
@@ -468,6 +483,31 @@ def _check_weights(cfg: PrepConfig) -> None:
                 "is set but weights is not.",
                 f"Set weights=PATH, or drop {name}.",
             )
+
+
+def _normalize_tp_plan(value: object) -> Any:
+    """``{pattern: style}`` as sorted ``(pattern, style)`` pairs (hashable); each style checked
+    against the vocabulary here, the patterns against the model while planning."""
+    from fprep.tp_styles import check_style
+
+    if value is None:
+        return None
+    if isinstance(value, tuple) and all(isinstance(i, tuple) and len(i) == 2 for i in value):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise _fail(
+            "PrepConfig",
+            "tp_plan",
+            f"must be a dict {{module pattern: style}}; got {type(value).__qualname__}.",
+            'e.g. tp_plan={"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise"}',
+        )
+    pairs: list[tuple[str, str]] = []
+    for pattern, style in value.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise _fail("PrepConfig", "tp_plan", f"has a pattern {pattern!r}; patterns are FQNs.")
+        check_style(pattern, style)
+        pairs.append((pattern, style))
+    return tuple(sorted(pairs))
 
 
 def _check_device(device: object) -> None:

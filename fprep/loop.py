@@ -178,10 +178,16 @@ def clip_grad_norm(
     sharded: list[Any] = [g for g in grads if _is_dtensor(g)]
     plain = [g for g in grads if not _is_dtensor(g)]
     norms: list[torch.Tensor] = []
-    if sharded:  # reduced across the mesh: a lost rank is a CollectiveError
+    if sharded:  # reduced across each mesh: a lost rank is a CollectiveError
+        # Under tensor parallelism gradients live on several meshes ((dp, tp) for planned
+        # weights, dp for the rest): one norm per mesh, combined below like the plain ones.
+        by_mesh: dict[int, list[Any]] = {}
+        for g in sharded:
+            by_mesh.setdefault(id(g.device_mesh), []).append(g)
         with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
-            total: Any = nn.utils.get_total_norm(sharded, norm_type)
-            norms.append(total.full_tensor() if _is_dtensor(total) else total)
+            for group in by_mesh.values():
+                total: Any = nn.utils.get_total_norm(group, norm_type)
+                norms.append(total.full_tensor() if _is_dtensor(total) else total)
     if plain:
         norms.append(nn.utils.get_total_norm(plain, norm_type))
     if not norms:

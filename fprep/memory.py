@@ -81,7 +81,8 @@ def estimate_memory(state: PrepState, *, async_checkpoint: bool = False) -> Memo
                 trainable += p.local_numel * size
                 if runtime.fast_ddp_dtype is not None:
                     fused += p.numel * dtype_bytes(runtime.fast_ddp_dtype)
-            unsharded += p.numel * dtype_bytes(compute or p.dtype)
+            # FSDP2 gathers a parameter's tensor-parallel block, not the whole tensor
+            unsharded += p.gathered_numel * dtype_bytes(compute or p.dtype)
         if core.is_sharded:
             largest = max(largest, unsharded)
     for p in handles.ignored:

@@ -52,6 +52,7 @@ from fprep.apply import (
 )
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.load_weights import load_weights
+from fprep.apply.parallelize import parallelize
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.collectives import collective
@@ -82,6 +83,7 @@ def default_steps(*, mesh: Any = None, process_group: Any = None) -> tuple[Step,
     """The default steps, in order; ``connect`` uses the given mesh or process group."""
     return (
         make_connect(mesh=mesh, process_group=process_group),
+        parallelize,
         checkpoint,
         compile_regions,
         shard,

@@ -9,6 +9,14 @@ than dim 0 has no elements: FSDP2 gives every rank zero rows of it, and still al
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fprep.snapshot import ParamInfo
+    from fprep.state import ProcessGroupState, TensorParallelState
+
 
 def chunk_rows(rows: int, world: int) -> int:
     """Rows per chunk: ``ceil(rows / world)`` (0 for an empty dimension)."""
@@ -32,3 +40,59 @@ def shard_shape(
     # gives it rows of zero width (shape ``(8, 0)``: local ``(0, 0)``, padded ``(c, 0)``).
     local = local_rows(rows, world, rank) if all(rest) else 0
     return (local, *rest), (chunk_rows(rows, world), *rest)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPLayout:
+    """Where a parameter lies on an N-D mesh ``(*dp dims, tp)``, as torch lays it out.
+
+    Tensor parallelism first cuts the tp dim of a planned parameter into ``tp`` chunks
+    (DTensor ``Shard(dim)``, ``torch.chunk`` semantics); FSDP2 then cuts *that local block*
+    along dim 0 over the data-parallel shard ranks. When both cut dim 0, FSDP2 records its
+    placement as ``_StridedShard(dim=0, sf=tp)`` (torch's ``_fsdp_param.py``), since each rank's
+    rows are a stride of the full tensor; otherwise ``Shard(dim=0)``. HSDP adds ``Replicate()``
+    on its replicate dim. A parameter outside the plan is a plain tensor to tensor parallelism
+    (replicated over tp) and spans only the data-parallel dims.
+    """
+
+    tp: int
+    tp_rank: int
+    dp_dims: tuple[str, ...]
+    hybrid: bool
+    params: Mapping[str, int | None] = field(default_factory=dict)  # fqn -> tp shard dim
+
+    @classmethod
+    def of(cls, tps: TensorParallelState, pg: ProcessGroupState, *, hybrid: bool) -> TPLayout:
+        return cls(
+            tp=tps.size,
+            tp_rank=tps.rank,
+            dp_dims=pg.mesh_dim_names,
+            hybrid=hybrid,
+            params=dict(tps.params),
+        )
+
+    def place(
+        self, p: ParamInfo, shard: tuple[int, int] | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+        """``(local shape, padded shape, mesh dims, placements, tp block shape)`` of ``p`` on
+        this rank;
+        ``shard`` is ``(dp shard group size, this rank's index)`` under FSDP2, else None."""
+        in_tp = p.fqn in self.params
+        dim = self.params.get(p.fqn)
+        local: tuple[int, ...] = p.shape
+        if dim is not None:
+            local = (*local[:dim], local_rows(local[dim], self.tp, self.tp_rank), *local[dim + 1 :])
+        block = local
+        dims: list[str] = []
+        placements: list[str] = []
+        padded = local
+        if shard is not None:
+            if self.hybrid:
+                placements.append("Replicate()")
+            placements.append(f"_StridedShard(dim=0, sf={self.tp})" if dim == 0 else "Shard(dim=0)")
+            dims.extend(self.dp_dims)
+            local, padded = shard_shape(local, *shard)
+        if in_tp:
+            dims.append("tp")
+            placements.append("Replicate()" if dim is None else f"Shard(dim={dim})")
+        return local, padded, tuple(dims), tuple(placements), block

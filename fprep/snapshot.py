@@ -227,6 +227,13 @@ class ModuleTree:
     hf_device_map: tuple[tuple[str, str], ...] | None = None
     quantization: Literal["8bit", "4bit"] | None = None
     prepared: bool = False
+    #: The model's own tensor-parallel plan (transformers' ``base_model_tp_plan`` under
+    #: ``base_model_prefix`` plus the class's ``_tp_plan``; any model's ``_tp_plan``), as
+    #: ``(module pattern, style)`` pairs from the root; None when it has none.
+    tp_plan: tuple[tuple[str, str], ...] | None = None
+    #: Head counts tensor parallelism must divide (``num_attention_heads``,
+    #: ``num_key_value_heads``, ``n_heads``, ``n_kv_heads`` of ``model.config``).
+    head_counts: tuple[tuple[str, int], ...] = ()
     _module_index: dict[str, ModuleInfo] = field(init=False, repr=False, compare=False, hash=False)
     _param_index: dict[str, ParamInfo] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -395,4 +402,36 @@ class ModuleTree:
             ),
             quantization=quant,
             prepared=bool(getattr(model, PREPARED_ATTR, False)),
+            tp_plan=own_tp_plan(model),
+            head_counts=head_counts(model),
         )
+
+
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads")
+
+
+def own_tp_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
+    """The plan a model carries (transformers' convention), with patterns from the root."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    if isinstance(base, Mapping):
+        # a task model holds the base model under ``base_model_prefix`` ("model"); the base
+        # model itself (LlamaModel) holds the layers directly
+        under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        plan.update({(f"{under}.{k}" if under else str(k)): str(v) for k, v in base.items()})
+    own = getattr(type(model), "_tp_plan", None)
+    if isinstance(own, Mapping):
+        plan.update({str(k): str(v) for k, v in own.items()})
+    return tuple(sorted(plan.items())) if plan else None
+
+
+def head_counts(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    config = getattr(model, "config", None)
+    out: list[tuple[str, int]] = []
+    for name in _HEAD_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out.append((name, value))
+    return tuple(out)

@@ -173,13 +173,49 @@ class RuntimeState:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TensorParallelState:
+    """Tensor parallelism: the tp dimension of the mesh and what each style does.
+
+    The mesh is ``(*data-parallel dims, "tp")``, row-major, tp innermost (torchtitan's and
+    Accelerate's order), so rank ``r`` is tp rank ``r % size`` of the group
+    ``[r - r % size, r - r % size + size)``. ``modules``: ``(module FQN, style name)`` in
+    pre-order; ``params``: ``(parameter FQN, tp shard dim or None when replicated)`` for every
+    parameter of those modules (they become DTensors over the tp dimension).
+    """
+
+    size: int
+    rank: int
+    group: tuple[int, ...]
+    mesh_shape: tuple[int, ...]  # the whole N-D mesh
+    mesh_dim_names: tuple[str, ...]
+    modules: tuple[tuple[str, str], ...]
+    params: tuple[tuple[str, int | None], ...]
+    plan_source: Literal["config", "model"]
+    loss_parallel: bool = False  # the output stays vocabulary-sharded (fprep.loss_parallel)
+    notes: tuple[str, ...] = ()
+
+    def dim_of(self, fqn: str) -> tuple[bool, int | None]:
+        """(whether ``fqn`` is a tp DTensor, the dim it is sharded on over tp)."""
+        for name, dim in self.params:
+            if name == fqn:
+                return True, dim
+        return False, None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExtensionState:
-    """Set when the data-parallel mesh is a slice of a larger one (e.g. DP x TP)."""
+    """Dimensions beyond data parallelism: tensor parallelism planned by fprep
+    (``tensor_parallel``), or a data-parallel mesh the user sliced from a larger one.
+
+    Later dimensions (pipeline, context parallel) enter here the same way: a sub-record per
+    dimension, planned before ``init_param_handles`` computes each parameter's local block.
+    """
 
     is_slice: bool
     root_shape: tuple[int, ...] | None = None
     root_dim_names: tuple[str, ...] | None = None
     other_dims: tuple[str, ...] = ()  # the root's dimensions not used for data parallelism
+    tensor_parallel: TensorParallelState | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +238,12 @@ class ShardSpec:
     local_shape: tuple[int, ...]  # this rank's unpadded shard
     padded_shape: tuple[int, ...]  # this rank's allocation (padded to an even chunk)
     requires_grad: bool
+    #: Under tensor parallelism: the mesh dims the parameter's DTensor spans and its placement
+    #: on each (torch's reprs: "Shard(dim=0)", "_StridedShard(dim=0, sf=2)", "Replicate()");
+    #: empty otherwise.
+    mesh_dims: tuple[str, ...] = ()
+    placements: tuple[str, ...] = ()
+    tp_shape: tuple[int, ...] = ()  # the tensor-parallel block FSDP2 shards (and gathers)
 
     @property
     def numel(self) -> int:
@@ -214,6 +256,11 @@ class ShardSpec:
     @property
     def padded_numel(self) -> int:
         return _prod(self.padded_shape)
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements FSDP2's all-gather rebuilds: the tp block under tensor parallelism."""
+        return _prod(self.tp_shape) if self.tp_shape else self.numel
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,8 +51,18 @@ def summarize(state: PrepState) -> str:
         )
     if state.process_group is not None:
         pg = state.process_group
-        names = "x".join(f"{n}={s}" for n, s in zip(pg.mesh_dim_names, pg.mesh_shape, strict=True))
+        ext = state.extension
+        tps = ext.tensor_parallel if ext is not None else None
+        dims = (tps.mesh_dim_names, tps.mesh_shape) if tps else (pg.mesh_dim_names, pg.mesh_shape)
+        names = "x".join(f"{n}={s}" for n, s in zip(*dims, strict=True))
         lines.append(f"  mesh        {names}, shard group of {pg.shard_size}")
+        if tps is not None:
+            lines.append(
+                f"  tensor par. tp={tps.size} ({tps.plan_source} plan): {len(tps.modules)} "
+                f"modules, {len(tps.params)} parameters split; tp group {tps.group[0]}.."
+                f"{tps.group[-1]}" + (", loss parallel" if tps.loss_parallel else "")
+            )
+            lines.extend(f"  note        {n}" for n in tps.notes)
     if state.device is not None:
         dev = state.device
         lines.append(

@@ -91,7 +91,8 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
         handle.setup(distributed=core.is_distributed)  # e.g. Gaudi: hpu device, hccl backend
         if state.config.compile != "none":
             handle.check_compile()  # before any change to the model
-        if not core.is_distributed:
+        tps = state.extension.tensor_parallel if state.extension is not None else None
+        if not core.is_distributed and tps is None:
             return state.replace(handles=Handles(device=device, device_handle=handle)), model
         try:
             owns = _ensure_default_group(state)
@@ -99,7 +100,18 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
             if isinstance(e, PrepError):  # TopologyError, CollectiveError (a missing rank)
                 raise
             raise PrepareError(f"creating the process group failed: {e}", subject="connect") from e
-        if core.is_sharded:
+        world_mesh = tp_mesh = None
+        group: Any
+        if tps is not None:  # one N-D mesh (dp dims..., tp); FSDP2 gets its dp sub-mesh
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world_mesh = init_device_mesh(
+                device.type, tps.mesh_shape, mesh_dim_names=tps.mesh_dim_names
+            )
+            tp_mesh = world_mesh["tp"]
+            dp_mesh = world_mesh[tps.mesh_dim_names[:-1]]
+            mesh_obj, group = dp_mesh, dp_mesh.get_group(dp_mesh.ndim - 1)
+        elif core.is_sharded:
             mesh_obj = _build_mesh(state, device, mesh, process_group)
             group = mesh_obj.get_group(mesh_obj.ndim - 1)
         else:  # DDP and fast_ddp replicate over the whole group; no mesh needed
@@ -112,6 +124,8 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
                     mesh=mesh_obj,
                     process_group=group,
                     owns_process_group=owns,
+                    tp_mesh=tp_mesh,
+                    world_mesh=world_mesh,
                 )
             ),
             model,

@@ -61,6 +61,8 @@ class Handles:
     device_handle: Any = None  # fprep.devices.DeviceHandle for device.type
     mesh: Any = None  # torch.distributed.DeviceMesh, None for a single process
     process_group: Any = None  # the data-parallel process group
+    tp_mesh: Any = None  # the tensor-parallel sub-mesh (PrepConfig.tp > 1)
+    world_mesh: Any = None  # the whole N-D mesh (dp dims..., tp) under tensor parallelism
     owns_process_group: bool = False
     grad_scaler: Any = None  # torch.amp.GradScaler for fp16
     scaler_use: ScalerUse | None = None  # with grad_scaler

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -166,9 +167,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads, as transformers reshapes: under tensor parallelism wq / wk / wv are
+        # colwise-sharded and each rank computes n_heads / tp of the heads
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = _rope(q, self.rope_theta), _rope(k, self.rope_theta)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -177,7 +180,7 @@ class Attention(nn.Module):
             is_causal=True,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
-        out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
         result: torch.Tensor = self.wo(out)
         return result
 
@@ -213,7 +216,24 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Llama-shaped decoder: tokens (batch, seq) -> logits (batch, seq, vocab)."""
+    """Llama-shaped decoder: tokens (batch, seq) -> logits (batch, seq, vocab).
+
+    ``_tp_plan`` is its tensor-parallel plan (Megatron's, as torchtitan applies it), used by
+    ``PrepConfig(tp=N)`` when no ``tp_plan`` is given: vocabulary-sharded embedding, column-
+    then row-sharded attention and feed-forward, and a vocabulary-sharded output gathered back.
+    """
+
+    _tp_plan: ClassVar[dict[str, str]] = {
+        "tok_embeddings": "embedding_rowwise",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "output": "colwise_gather_output",
+    }
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -33,6 +33,37 @@ def _resolve(requested: str, world: int, device_type: str) -> tuple[ResolvedStra
     return requested, ""  # type: ignore[return-value]
 
 
+def _resolve_beside_tp(requested: str, tp: int, dp: int) -> tuple[ResolvedStrategy, str]:
+    """The data-parallel strategy over the ``dp = world / tp`` ranks beside tensor parallelism:
+    FSDP2 (or HSDP) composes with tp; DDP over DTensors does not, and ``none`` with several
+    data-parallel ranks would train unsynchronized replicas."""
+    if requested in ("ddp", "fast_ddp"):
+        raise ConfigError(
+            f"strategy={requested!r} does not compose with tp={tp}: DDP cannot replicate "
+            "tensor-parallel DTensors.",
+            subject="strategy",
+            hint="Use strategy='fsdp' (or 'hsdp') for the data-parallel part.",
+        )
+    if dp == 1:
+        note = (
+            ""
+            if requested in ("auto", "none")
+            else (
+                f"tp={tp} is the whole world: strategy {requested!r} resolved to 'none' (no "
+                "data-parallel ranks)."
+            )
+        )
+        return "none", note
+    if requested == "none":
+        raise ConfigError(
+            f"strategy='none' with tp={tp} leaves {dp} data-parallel replicas that never "
+            "synchronize their gradients.",
+            subject="strategy",
+            hint=f"Use strategy='fsdp' (or 'hsdp'), or tp equal to the world size ({tp * dp}).",
+        )
+    return ("fsdp" if requested == "auto" else requested), ""  # type: ignore[return-value]
+
+
 def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
     """One precision setting, the same numerics under every strategy: the forward runs under
     autocast everywhere, so the ops autocast keeps in float32 (softmax, norms, losses) run in
@@ -205,7 +236,10 @@ def init_core(state: PrepState) -> PrepState:
     cfg = state.config
     _check_not_prepared(state, ignored)
 
-    strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
+    if cfg.tp > 1:
+        strategy, note = _resolve_beside_tp(cfg.strategy, cfg.tp, pg.replicate_size * pg.shard_size)
+    else:
+        strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
     notes: tuple[str, ...] = (note,) if note else ()
     _check_hf_loading(state, strategy, device)
     _check_root_forward(state, strategy)

@@ -15,7 +15,7 @@ from typing import cast
 from fprep.config import WrapPolicy, wrap_class_names
 from fprep.errors import ConfigError, ModelError, PrepError
 from fprep.policies import repeated_block_classes, used_by_parent_forward
-from fprep.sharding import shard_shape
+from fprep.sharding import TPLayout, shard_shape
 from fprep.snapshot import (
     ModuleInfo,
     ModuleTree,
@@ -212,9 +212,9 @@ def _assign(p: ParamInfo, units: frozenset[str], sharded: bool) -> str:
     return unit
 
 
-def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
+def _spec(p: ParamInfo, shard: tuple[int, int] | None, layout: TPLayout | None = None) -> ShardSpec:
     """``p``'s spec; ``shard`` is ``(shard group size, this rank's index in it)``, or ``None``
-    when ``p`` is kept whole."""
+    when ``p`` is kept whole; ``layout`` places it on an N-D mesh with tensor parallelism."""
     if shard is not None and not p.shape:
         raise ModelError(
             f"parameter {p.fqn!r} is a scalar (shape []); FSDP shards along dim 0 and cannot "
@@ -230,7 +230,15 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
             hint="Call model.to(memory_format=torch.contiguous_format) before prepare (you may "
             "keep channels_last inputs), or add it to ignored_params.",
         )
-    local, padded = shard_shape(p.shape, *shard) if shard is not None else (p.shape, p.shape)
+    dims: tuple[str, ...] = ()
+    placements: tuple[str, ...] = ()
+    block: tuple[int, ...] = ()
+    if layout is not None:
+        local, padded, dims, placements, block = layout.place(p, shard)
+    elif shard is not None:
+        local, padded = shard_shape(p.shape, *shard)
+    else:
+        local, padded = p.shape, p.shape
     return ShardSpec(
         fqn=p.fqn,
         names=p.names,
@@ -239,6 +247,9 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None) -> ShardSpec:
         local_shape=local,
         padded_shape=padded,
         requires_grad=p.requires_grad,
+        mesh_dims=dims,
+        placements=placements,
+        tp_shape=block,
     )
 
 
@@ -423,11 +434,15 @@ def init_param_handles(state: PrepState) -> PrepState:
     kept: list[ShardSpec] = []
     # Looked up once: ``shard_rank`` searches the shard group (O(world) per call).
     shard = (pg.shard_size, pg.shard_rank) if core.is_sharded else None
+    ext = need(state.extension, "init_extension", "init_param_handles")
+    layout = None
+    if ext.tensor_parallel is not None:
+        layout = TPLayout.of(ext.tensor_parallel, pg, hybrid=core.strategy == "hsdp")
     for p in tree.params:
         if p.fqn in ignored.params:
             kept.append(_spec(p, None))
         else:
-            members[_assign(p, units, core.is_sharded)].append(_spec(p, shard))
+            members[_assign(p, units, core.is_sharded)].append(_spec(p, shard, layout))
     # The root's parameters are needed again at the very start of backward: unless the user
     # set reshard_after_forward, keep them gathered (FSDP2's own default for the root), which
     # saves one all-gather of the root per step (embeddings and output head, typically).

@@ -7,7 +7,7 @@ of its row (``r // shard`` — one node by default) and replicates with those of
 
 from __future__ import annotations
 
-from fprep.errors import TopologyError
+from fprep.errors import ConfigError, TopologyError
 from fprep.state import MeshSpec, PrepState, ProcessGroupState
 from fprep.transitions._base import transition
 
@@ -107,6 +107,54 @@ def _from_mesh(
     )
 
 
+TP_DIM_NAME = "tp"
+
+
+def _beside_tp(state: PrepState) -> ProcessGroupState:
+    """The data-parallel part of an N-D mesh ``(*dp dims, tp)``: this rank's dp ranks are those
+    with its tp coordinate (stride tp), so each tp group stays inside a node when tp divides the
+    processes per node."""
+    topo, cfg = state.topology, state.config
+    world, rank, tp = topo.world_size, topo.rank, cfg.tp
+    if state.inputs.mesh is not None or state.inputs.process_group is not None:
+        raise ConfigError(
+            f"PrepConfig.tp={tp}: fprep builds the N-D mesh itself; a mesh or process group "
+            "was also given.",
+            subject="tp",
+            hint="Pass neither (fprep lays out (dp..., tp) from the world), or set tp=1 and "
+            "apply tensor parallelism yourself.",
+        )
+    if world % tp:
+        raise ConfigError(
+            f"PrepConfig.tp={tp} does not divide the world size {world}: the product of the "
+            "mesh dims (data-parallel x tp) must equal the world size.",
+            subject="tp",
+            hint=f"Choose tp among the divisors of {world}.",
+        )
+    dp = world // tp
+    if cfg.strategy == "hsdp":
+        shard = cfg.hsdp_shard_size or max(1, topo.local_world_size // tp)
+        if dp % shard:
+            raise ConfigError(
+                f"hsdp shards over groups of {shard} ranks, which does not divide the "
+                f"{dp} data-parallel ranks (world {world} / tp {tp}).",
+                subject="hsdp_shard_size",
+                hint="Choose hsdp_shard_size as a divisor of world_size / tp.",
+            )
+        dp_shape: tuple[int, ...] = (dp // shard, shard)
+        names: tuple[str, ...] = HSDP_DIM_NAMES
+    else:
+        dp_shape, names = (dp,), DP_DIM_NAMES
+    spec = MeshSpec(
+        shape=dp_shape,
+        dim_names=names,
+        ranks=tuple(range(rank % tp, world, tp)),
+        root_shape=(*dp_shape, tp),
+        root_dim_names=(*names, TP_DIM_NAME),
+    )
+    return _from_mesh(spec, rank, world, cfg.strategy, cfg.hsdp_shard_size)
+
+
 @transition
 def init_process_group(state: PrepState) -> PrepState:
     topo, cfg = state.topology, state.config
@@ -126,6 +174,8 @@ def init_process_group(state: PrepState) -> PrepState:
             subject="local_world_size",
             hint="Launch the same number of processes on every node.",
         )
+    if cfg.tp > 1:
+        return state.replace(process_group=_beside_tp(state))
     if mesh is not None:
         return state.replace(
             process_group=_from_mesh(mesh, rank, world, cfg.strategy, cfg.hsdp_shard_size)

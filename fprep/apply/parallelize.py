@@ -1,0 +1,63 @@
+"""parallelize: tensor parallelism, applied with torch's ``parallelize_module``.
+
+Runs before checkpointing, compilation and sharding (torchtitan's order: TP, then activation
+checkpointing, compile, FSDP2), on the tp sub-mesh connect built. Each planned module gets the
+torch style its name maps to (``fprep.tp_styles``); the parameters become DTensors over the tp
+dimension, and ``shard`` then shards their local blocks over the data-parallel dims.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fprep.apply.shard import carry_param_attributes, param_attributes
+from fprep.apply.steps import handles_of, skipped, step
+from fprep.errors import ConfigError
+from fprep.state import PrepState, need
+from fprep.tp_styles import STYLES, Style
+
+
+def torch_style(style: Style) -> Any:
+    """torch's ``ParallelStyle`` for one of fprep's (transformers') style names."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style.kind == "colwise":
+        return ColwiseParallel(
+            input_layouts=Replicate(),
+            output_layouts=Replicate() if style.output_replicated else Shard(-1),
+            use_local_output=not style.dtensor_output,
+        )
+    return RowwiseParallel(
+        input_layouts=Replicate() if style.input_replicated else Shard(-1),
+        output_layouts=Replicate(),
+    )
+
+
+@step("parallelize")
+def parallelize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
+    ext = need(state.extension, "init_extension", "parallelize")
+    tps = ext.tensor_parallel
+    if tps is None:
+        return skipped(state, model)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if state.tree.is_meta:  # refused before any change to the model
+        raise ConfigError(
+            f"PrepConfig.tp={tps.size}: the model has tensors on the meta device; meta-device "
+            "initialization under tensor parallelism is not supported yet.",
+            subject="tp",
+            hint="Build the model with real weights (on CPU) before prepare, or plan only "
+            "(fprep.plan works on meta models).",
+        )
+    plan = {
+        fqn: torch_style(STYLES[name])
+        for fqn, name in tps.modules
+        if STYLES[name].kind != "replicate"
+    }
+    attrs = param_attributes(model)
+    parallelize_module(model, handles_of(state).tp_mesh, plan)
+    carry_param_attributes(model, attrs)
+    return state, model

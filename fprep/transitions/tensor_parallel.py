@@ -1,0 +1,164 @@
+"""Tensor parallelism, planned: which module gets which style, and what that does to each
+parameter, checked against the model before anything runs.
+
+The plan is ``PrepConfig.tp_plan`` or, without one, the model's own (``ModuleTree.tp_plan``:
+transformers' ``base_model_tp_plan`` + ``_tp_plan``; ``fprep.testing.models.Llama._tp_plan``).
+Refused here, naming the culprit: a pattern matching no module, a module matched twice with
+different styles, a style on a module kind it cannot shard, a sharded dimension (rows, columns,
+vocabulary, head counts) that tp does not divide, a tied or ignored parameter the plan shards.
+"""
+
+from __future__ import annotations
+
+from fprep.errors import ConfigError, ModelError
+from fprep.snapshot import ModuleTree, join_fqn
+from fprep.state import IgnoredState, PrepState, ProcessGroupState, TensorParallelState
+from fprep.tp_styles import SHARDABLE, STYLES, Style, pattern_regex, tp_dim
+
+
+def _plan_pairs(state: PrepState) -> tuple[tuple[tuple[str, str], ...], str]:
+    cfg, tree = state.config, state.tree
+    if cfg.tp_plan_pairs is not None:
+        return cfg.tp_plan_pairs, "config"
+    if tree.tp_plan is not None:
+        return tree.tp_plan, "model"
+    raise ConfigError(
+        f"PrepConfig.tp={cfg.tp} but no tensor-parallel plan: {tree.root.class_name} carries "
+        "none (no config.base_model_tp_plan or _tp_plan) and tp_plan is not set.",
+        subject="tp_plan",
+        hint='Pass tp_plan={"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise", ...} '
+        "(docs/parallelism.md), or tp=1.",
+    )
+
+
+def match_modules(
+    tree: ModuleTree, pairs: tuple[tuple[str, str], ...], field: str = "tp_plan"
+) -> tuple[tuple[str, str], ...]:
+    """``(module FQN, style)`` for every module a pattern matches, in pre-order."""
+    chosen: dict[str, tuple[str, str]] = {}  # fqn -> (pattern, style)
+    for pattern, style in pairs:
+        rx = pattern_regex(pattern)
+        hits = [m.fqn for m in tree.modules[1:] if rx.fullmatch(m.fqn)]
+        if not hits:
+            raise ConfigError(
+                f"PrepConfig.{field} pattern {pattern!r} ({style!r}) matches no module of "
+                f"{tree.root.class_name}.",
+                subject=field,
+                hint="Patterns are module FQNs as in model.named_modules(), '*' standing for "
+                "one segment (a layer number), e.g. 'layers.*.attention.wq'.",
+            )
+        for fqn in hits:
+            before = chosen.get(fqn)
+            if before is not None and before[1] != style:
+                raise ConfigError(
+                    f"PrepConfig.{field}: module {fqn!r} matches {before[0]!r} ({before[1]!r}) "
+                    f"and {pattern!r} ({style!r}).",
+                    subject=field,
+                    hint="Give each module one style.",
+                )
+            chosen[fqn] = (pattern, style)
+    return tuple((m.fqn, chosen[m.fqn][1]) for m in tree.modules if m.fqn in chosen)
+
+
+def _check_kind(tree: ModuleTree, fqn: str, style: Style) -> bool:
+    """Whether the module is an Embedding (colwise / rowwise need a Linear or Embedding)."""
+    info = tree.module(fqn)
+    assert info is not None
+    is_embedding = info.is_a("Embedding")
+    if style.kind in ("colwise", "rowwise") and not any(info.is_a(k) for k in SHARDABLE):
+        raise ConfigError(
+            f"PrepConfig.tp_plan gives {fqn!r} the style {style.name!r}, but it is a "
+            f"{info.class_name}: {style.kind} shards nn.Linear and nn.Embedding weights only.",
+            subject="tp_plan",
+            hint=f"Name the Linear layers inside {fqn!r} instead.",
+        )
+    if style.embedding_only and not is_embedding:
+        raise ConfigError(
+            f"PrepConfig.tp_plan gives {fqn!r} the style {style.name!r}, but it is a "
+            f"{info.class_name}, not an nn.Embedding.",
+            subject="tp_plan",
+            hint="Use 'colwise' or 'rowwise' for Linear layers.",
+        )
+    return is_embedding
+
+
+def _params(
+    tree: ModuleTree, modules: tuple[tuple[str, str], ...], tp: int, ignored: IgnoredState
+) -> tuple[tuple[str, int | None], ...]:
+    out: list[tuple[str, int | None]] = []
+    for fqn, name in modules:
+        style = STYLES[name]
+        if style.kind == "replicate":
+            continue
+        if fqn in ignored.modules:
+            raise ConfigError(
+                f"PrepConfig.tp_plan shards {fqn!r}, which is ignored (kept whole on every rank).",
+                subject="tp_plan",
+                hint="Stop ignoring it, or leave it out of the plan.",
+            )
+        is_embedding = _check_kind(tree, fqn, style)
+        info = tree.module(fqn)
+        assert info is not None
+        for pname in info.param_names:
+            p = tree.param(join_fqn(fqn, pname))
+            assert p is not None
+            dim = tp_dim(style.kind, is_embedding, pname)
+            if p.is_tied:
+                raise ModelError(
+                    f"parameter {p.fqn!r} is tied ({', '.join(p.names)}) and tp_plan gives "
+                    f"{fqn!r} the style {name!r}: fprep does not shard tied parameters over tp.",
+                    subject=p.fqn,
+                    hint="Untie it (e.g. tie_word_embeddings=False), or leave its modules "
+                    "out of the tp plan.",
+                )
+            if dim is not None and p.shape[dim] % tp:
+                raise ConfigError(
+                    f"PrepConfig.tp={tp} does not divide dim {dim} (size {p.shape[dim]}) of "
+                    f"{p.fqn!r} {p.shape}, which the style {name!r} shards.",
+                    subject="tp",
+                    hint=f"Choose tp dividing {p.shape[dim]}, or leave {fqn!r} replicated.",
+                )
+            out.append((p.fqn, dim))
+    return tuple(out)
+
+
+def plan_tensor_parallel(
+    state: PrepState, pg: ProcessGroupState, ignored: IgnoredState
+) -> TensorParallelState | None:
+    cfg, tree, topo = state.config, state.tree, state.topology
+    tp = cfg.tp
+    if tp == 1:
+        return None
+    pairs, source = _plan_pairs(state)
+    modules = match_modules(tree, pairs)
+    styles = {name for _, name in modules}
+    if styles & {"colwise", "colwise_rep", "colwise_gather_output"}:
+        for field, count in tree.head_counts:
+            if count % tp:
+                raise ConfigError(
+                    f"PrepConfig.tp={tp} does not divide the model's {field}={count}: each tp "
+                    "rank computes a whole number of attention heads.",
+                    subject="tp",
+                    hint=f"Choose tp dividing {count}.",
+                )
+    params = _params(tree, modules, tp, ignored)
+    notes: list[str] = []
+    if topo.local_world_size % tp:
+        notes.append(
+            f"tp={tp} does not divide the {topo.local_world_size} processes per node: tensor-"
+            "parallel groups cross nodes (their all-reduces run over the network)."
+        )
+    rank = topo.rank
+    start = rank - rank % tp
+    return TensorParallelState(
+        size=tp,
+        rank=rank % tp,
+        group=tuple(range(start, start + tp)),
+        mesh_shape=(*pg.mesh_shape, tp),
+        mesh_dim_names=(*pg.mesh_dim_names, "tp"),
+        modules=modules,
+        params=params,
+        plan_source=source,  # type: ignore[arg-type]
+        loss_parallel=any(STYLES[n].dtensor_output for _, n in modules),
+        notes=tuple(notes),
+    )
