@@ -525,3 +525,27 @@ def _check_device(device: object) -> None:
             subject="device",
             hint=f"Device types: {', '.join(DEVICE_TYPES)}.",
         )
+    kind, colon, digits = str(device).partition(":")
+    # (no int() of the digits as given: Python refuses to convert more than 4300 of them)
+    number = int(digits.lstrip("0")[:4] or "0")
+    if colon and kind in _ONE_DEVICE and number != 0:
+        raise ConfigError(
+            f"PrepConfig.device {device!r}: a process has one {kind} device, {kind}:0.",
+            subject="device",
+            hint=f"Use device={kind!r}.",
+        )
+    # torch keeps a device index in 8 bits: torch.device('cuda:128') silently becomes cuda:-128
+    if colon and number > _MAX_DEVICE_INDEX:
+        raise ConfigError(
+            f"PrepConfig.device {device!r}: the index is out of range (torch's device indices "
+            f"go up to {_MAX_DEVICE_INDEX}).",
+            subject="device",
+            hint=f"Use {kind!r} (this rank's own device) or the index of a device this "
+            "machine has.",
+        )
+
+
+#: device types with a single device per process (no index but 0)
+_ONE_DEVICE = ("cpu", "mps")
+#: the largest index torch.device keeps (c10::DeviceIndex is int8)
+_MAX_DEVICE_INDEX = 127

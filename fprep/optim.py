@@ -11,11 +11,14 @@ An optimizer built before ``prepare`` and given to neither ``prepare`` nor ``pre
 still holds the replaced parameters: it steps tensors the model no longer uses, and the weights
 never change. ``ReplacedParams`` remembers what ``prepare`` replaced, so that the loop helpers
 refuse such an optimizer (once per optimizer; the verdict is cached until its param groups
-change).
+change), and so does a plain ``optimizer.step()``: ``refuse_stale_steps`` adds the replaced
+parameters to one process-wide record (held weakly) checked by a global optimizer step
+pre-hook, the only hook that sees an optimizer fprep was never given.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -159,7 +162,9 @@ class ReplacedParams:
     """
 
     def __init__(self, names: WeakIdKeyDictionary) -> None:
-        self.names: Mapping[Any, str] = names
+        self.names = names
+        # typed reads (WeakIdKeyDictionary's methods carry no annotations)
+        self.lookup: Mapping[Any, str] = names
         # id(optimizer) -> (weak reference to it, each group's params list and its length).
         # Keyed by id, not a WeakKeyDictionary: the lookup runs every step, and this one makes
         # no weak reference to do it. An entry goes when its optimizer does.
@@ -176,7 +181,13 @@ class ReplacedParams:
                 names[p] = name
         return cls(names) if len(names) else None
 
-    def check(self, optimizer: torch.optim.Optimizer, index: int, call: str) -> None:
+    def add(self, other: ReplacedParams) -> None:
+        """Record ``other``'s parameters too; every optimizer is checked again."""
+        for p, name in other.lookup.items():
+            self.names[p] = name
+        self._checked.clear()
+
+    def check(self, optimizer: torch.optim.Optimizer, index: int | None, call: str) -> None:
         """A PrepareError if ``optimizer`` holds a parameter ``prepare`` replaced."""
         groups = optimizer.param_groups
         key = id(optimizer)
@@ -193,7 +204,7 @@ class ReplacedParams:
                     return
         for g, group in enumerate(groups):
             for i, p in enumerate(group["params"]):
-                name = self.names.get(p)
+                name = self.lookup.get(p)
                 if name is not None:
                     raise _stale(name, index, g, i, call)
         checked = self._checked
@@ -201,12 +212,49 @@ class ReplacedParams:
         self._checked[key] = (ref, [(group["params"], len(group["params"])) for group in groups])
 
 
-def _stale(name: str, index: int, g: int, i: int, call: str) -> PrepareError:
+def _stale(name: str, index: int | None, g: int, i: int, call: str) -> PrepareError:
+    which = "the optimizer" if index is None else f"optimizer {index}"
     return PrepareError(
-        f"{call}: optimizer {index} (param group {g}, position {i}) holds parameter {name!r} "
+        f"{call}: {which} (param group {g}, position {i}) holds parameter {name!r} "
         "as it was before prepare, which replaced it (sharding or meta-device "
         "materialization): stepping it would never change the model's weights.",
-        subject=f"optimizer[{index}].param_groups[{g}].params[{i}]",
+        subject=(
+            f"param_groups[{g}].params[{i}]"
+            if index is None
+            else f"optimizer[{index}].param_groups[{g}].params[{i}]"
+        ),
         hint="Pass the optimizer to fprep.prepare(model, cfg, optimizer), or rebind it once "
         "with fprep.prepare_optimizer(state, model, optimizer) (or build it after prepare).",
     )
+
+
+# The parameters every ``prepare`` of this process replaced while something still held them,
+# held weakly (an entry goes with its parameter), and the optimizers found free of them. One
+# record, not one per preparation: a parameter replaced by any preparation is stale for every
+# optimizer, so two preparations cannot disagree, and none keeps another's model alive.
+_PROCESS = ReplacedParams(WeakIdKeyDictionary())
+_hook_lock = threading.Lock()
+_hook: list[Any] = []  # the global hook's handle, once installed
+
+
+def refuse_stale_steps(replaced: ReplacedParams) -> None:
+    """Make ``optimizer.step()`` of any optimizer holding one of ``replaced`` a PrepareError.
+
+    torch's optimizer step pre-hooks are per optimizer, and an optimizer built before
+    ``prepare`` and never given to fprep is one it cannot see: so one global pre-hook
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``), installed by the first
+    preparation that leaves a replaced parameter alive, checks every step against the
+    process-wide record. When the record is empty (the replaced parameters were freed) a step
+    costs one ``len``; otherwise each optimizer is checked once, until its param groups change.
+    """
+    with _hook_lock:
+        _PROCESS.add(replaced)
+        if not _hook:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if len(_PROCESS.names):
+        _PROCESS.check(optimizer, None, f"{type(optimizer).__name__}.step()")

@@ -59,7 +59,13 @@ from fprep.collectives import collective
 from fprep.config import PrepConfig
 from fprep.data import prepare_data_loader
 from fprep.errors import ConfigError, PrepError
-from fprep.optim import ReplacedParams, canonical_names_weak, optimizer_fqns, rebind_optimizer
+from fprep.optim import (
+    ReplacedParams,
+    canonical_names_weak,
+    optimizer_fqns,
+    rebind_optimizer,
+    refuse_stale_steps,
+)
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
@@ -230,8 +236,11 @@ def prepare(
     for i, (opt, fqns) in enumerate(recorded):
         rebind_optimizer(prepared, opt, fqns, i)
     # Replaced parameters something still holds (an optimizer not passed here): refused by
-    # optimizer_step. Usually none are left, and then the check costs nothing.
+    # optimizer_step and by a plain optimizer.step(). Usually none are left, and then the
+    # check costs nothing.
     replaced = ReplacedParams.of(before, prepared)
+    if replaced is not None:
+        refuse_stale_steps(replaced)
     state = with_handles(state, param_fqns_before=before, replaced_params=replaced)
     return (state, prepared, *out)
 

@@ -7,6 +7,7 @@ system too: the same object-store publishing, no rename of the step, no lock).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,6 +101,16 @@ def test_a_flipped_byte_in_an_object_is_refused(url: str) -> None:
     exact(W.full_state(m), before)  # nothing was copied into the model
 
 
+def saved_then_changed(url: str, value: float) -> tuple[Any, Any, dict[str, Any]]:
+    """A model saved as step 1 (and its state then), then changed."""
+    state, model, *_ = trained()
+    fprep.save(url, state, model, step=1)
+    first = W.full_state(model)
+    with torch.no_grad():
+        model.odd.fill_(value)
+    return state, model, first
+
+
 def _fail(*args: Any, **kwargs: Any) -> Any:
     raise OSError(5, "injected failure")
 
@@ -110,11 +121,7 @@ def test_an_interrupted_save_stays_invisible(
 ) -> None:
     """A save that dies after some objects (the process killed: nothing cleaned up) leaves the
     previous checkpoint the one ``load`` reads; the next save removes the leftovers."""
-    state, model, *_ = trained()
-    fprep.save(url, state, model, step=1)
-    first = W.full_state(model)
-    with torch.no_grad():
-        model.odd.fill_(7.0)
+    state, model, first = saved_then_changed(url, 7.0)
     opener = FsspecStore._opener
 
     def dying_opener(self: FsspecStore, name: str) -> Any:
@@ -274,3 +281,112 @@ def test_export_full_to_a_url_is_plain_safetensors_and_appears_whole(
     assert names(f"{url}/export") == ["model.safetensors"]
     with pytest.raises(CheckpointError, match="it is a directory"):
         fprep.export_full(f"{url}/export", state, model)
+
+
+# -- URL rules (issue 18.9) ----------------------------------------------------------------------
+def test_a_file_url_with_dot_dot_cannot_write_into_a_published_step(tmp_path: Path) -> None:
+    state, model, *_ = trained()
+    fprep.save(f"file://{tmp_path}", state, model, step=1)
+    step = tmp_path / "step-00000001"
+    published = sorted(p.name for p in step.iterdir())
+    for url in (f"file://{tmp_path}/x/../step-00000001", f"file://{tmp_path}/./step-00000001"):
+        with pytest.raises(CheckpointError, match=r"'\.' or '\.\.' path segment") as refused:
+            fprep.save(url, state, model, step=2)
+        assert refused.value.subject == url
+    assert sorted(p.name for p in step.iterdir()) == published  # no latest, no step inside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    s, m, *_ = fresh()
+    with pytest.raises(CheckpointError, match=r"path segment"):
+        fprep.load(f"file://{tmp_path}/x/../step-00000001", s, m)
+
+
+def test_a_chained_url_is_refused_not_written_to_a_local_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    state, model, *_ = trained()
+    url = f"simplecache::file://{tmp_path}/run"
+    with pytest.raises(CheckpointError, match="chained fsspec URL") as refused:
+        fprep.save(url, state, model, step=1)
+    assert f"file://{tmp_path}/run" in str(refused.value.hint)
+    with pytest.raises(CheckpointError, match="chained fsspec URL"):
+        fprep.export_full(f"simplecache::memory://x/{uuid.uuid4().hex}.safetensors", state, model)
+    s, m, *_ = fresh()
+    with pytest.raises(CheckpointError, match="chained fsspec URL"):
+        fprep.load(url, s, m)
+    assert list(tmp_path.iterdir()) == []  # nothing named after the URL
+
+
+def test_the_root_of_a_file_system_saves_and_loads() -> None:
+    fs = fsspec.filesystem("memory")
+    before = set(fs.ls("/", detail=False))
+    state, model, opt, *_ = trained()
+    try:
+        published = fprep.save("memory://", state, model, optimizers=opt, step=3)
+        assert published == "memory://step-00000003"
+        for where in ("memory://", "memory:///", published):
+            s, m, o, *_ = fresh()
+            info = fprep.load(where, s, m, optimizers=o)
+            assert (info.step, info.path) == (3, published)
+            exact(W.full_state(m, o), W.full_state(model, opt))
+    finally:
+        for path in set(fs.ls("/", detail=False)) - before:
+            fs.rm(path, recursive=True)
+
+
+def test_a_file_missing_at_publish_is_refused_and_latest_stays(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the publishing rank cannot see is not published: the previous step stays latest."""
+    state, model, first = saved_then_changed(url, 3.0)
+    publish = FsspecStore.publish
+
+    def unseen(self: FsspecStore, name: str, step: int, digest: str) -> str:
+        self.fs.rm(self._join(name, "__0_0.distcp"))  # as if written where rank 0 cannot see
+        return publish(self, name, step, digest)
+
+    monkeypatch.setattr(FsspecStore, "publish", unseen)
+    with pytest.raises(CheckpointError, match=r"rank 0's __0_0\.distcp is not there") as refused:
+        fprep.save(url, state, model, step=2)
+    assert "storage every rank sees" in str(refused.value.hint)
+    assert names(url) == ["latest", "step-00000001"]  # discarded; the pointer did not move
+    s, m, *_ = fresh()
+    assert fprep.load(url, s, m).step == 1
+    exact(W.full_state(m), first)
+
+
+def private_storage(kind: str, root: str) -> dict[str, Any]:
+    """2 ranks, each saving to storage the other cannot see: ``memory://`` is per process, and
+    ``local`` gives rank 1 a directory of its own behind the same path (a node-local disk)."""
+    from fprep.checkpoint import backend
+
+    if kind == "local" and os.environ["RANK"] == "1":
+        own = Path(root).with_name("rank1-disk")
+        writer = backend.LocalStore.writer
+
+        def node_local(self: backend.LocalStore, name: str, *, progress: bool) -> Any:
+            (own / name).mkdir(parents=True, exist_ok=True)
+            return writer(backend.LocalStore(own), name, progress=progress)
+
+        backend.LocalStore.writer = node_local  # type: ignore[method-assign]
+    state, model, *_ = W.prepared("fsdp")
+    try:
+        fprep.save(root, state, model, step=1)
+        return {"error": None}
+    except CheckpointError as e:
+        left = [] if kind == "memory" else sorted(p.name for p in Path(root).iterdir())
+        return {"error": str(e), "left": left}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_storage_only_one_rank_sees_is_refused_at_publish(tmp_path: Path, kind: str) -> None:
+    root = "memory://fprep-private/run" if kind == "memory" else str(tmp_path / "run")
+    results = run_ranks(private_storage, 2, kind, root, timeout_s=240.0)
+    for r in results:
+        assert r["error"] is not None, "a save no rank could load reported success"
+        assert "rank 1's __1_0.distcp is not there" in r["error"]
+        assert "do not share this storage" in r["error"]
+    if kind == "local":
+        assert results[0]["left"] == [".lock"]  # nothing published, the staging place removed

@@ -265,3 +265,103 @@ def test_any_bad_value_is_a_config_error_naming_its_field(case: tuple[str, Any])
         PrepConfig(**{field: value})
     assert info.value.subject == field
     assert field in info.value.message
+
+
+# -- issue 18.9: dtypes FSDP2 cannot handle, 16-bit master weights, device indices -------------
+class Odd(nn.Module):
+    """A linear layer plus one extra parameter of any dtype (in the same wrap unit)."""
+
+    def __init__(self, dtype: torch.dtype, requires_grad: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.extra = nn.Parameter(torch.ones(4, dtype=dtype), requires_grad=requires_grad)
+
+
+class TwoUnits(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4).to(dtype)
+
+
+def test_a_complex_parameter_under_fsdp_mixed_precision_is_refused_by_name() -> None:
+    error = failure(Odd(torch.complex64), PrepConfig(strategy="fsdp", precision="bf16"), WORLD2)
+    assert isinstance(error, ModelError) and error.subject == "extra"
+    assert "complex64" in str(error) and "precision='no'" in str(error)
+    # alone in its unit and without mixed precision FSDP handles it; under ddp nothing is cast
+    wrapped = PrepConfig(strategy="fsdp", wrap=nn.Linear, precision="bf16")
+    assert failure(TwoUnits(torch.complex64), wrapped, WORLD2).subject == "head.weight"
+    assert fprep.plan(
+        TwoUnits(torch.complex64), PrepConfig(strategy="fsdp", wrap=nn.Linear), WORLD2
+    ).unwrap()
+    assert fprep.plan(Odd(torch.complex64), PrepConfig(strategy="ddp", precision="bf16"), WORLD2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_trainable_parameters_of_two_dtypes_in_one_fsdp_unit_are_refused(
+    dtype: torch.dtype, precision: str
+) -> None:
+    cfg = PrepConfig(strategy="fsdp", precision=precision)  # type: ignore[arg-type]
+    error = failure(Odd(dtype), cfg, WORLD2)
+    assert isinstance(error, ModelError) and error.subject == "extra"
+    if dtype.is_floating_point or precision == "no":
+        assert "two dtypes" in str(error) and "wrap unit" in str(error.hint)
+    # frozen, or in a unit of its own (floating point), it is what FSDP2 handles
+    assert fprep.plan(Odd(dtype, requires_grad=False), cfg, WORLD2).unwrap()
+    if dtype.is_floating_point:
+        assert fprep.plan(TwoUnits(dtype), cfg.replace(wrap=nn.Linear), WORLD2).unwrap()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8])
+def test_frozen_integer_parameters_are_accepted_under_fsdp_mixed_precision(
+    dtype: torch.dtype,
+) -> None:
+    cfg = PrepConfig(strategy="fsdp", precision="bf16")
+    assert fprep.plan(Odd(dtype, requires_grad=False), cfg, WORLD2).unwrap()
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp", "fsdp"])
+def test_16_bit_trainable_parameters_with_mixed_precision_get_a_note(strategy: str) -> None:
+    """transformers builds bf16 parameters from a bf16 config.json: the optimizer would keep
+    bf16 master weights and state, which the plan now says (fprep plan prints its notes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, dtype="bfloat16",
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(config)
+    assert next(model.parameters()).dtype == torch.bfloat16  # what the recipe silently got
+    cfg = PrepConfig(strategy=strategy, precision="bf16")  # type: ignore[arg-type]
+    state = fprep.plan(model, cfg, WORLD2).unwrap()
+    notes = [n for n in state.core.notes if "master weights" in n]
+    assert len(notes) == 1 and "bfloat16" in notes[0] and "dtype=torch.float32" in notes[0]
+    assert notes[0] in state.summary()
+    with torch.device("meta"):
+        fp32 = LlamaForCausalLM._from_config(config, dtype=torch.float32)  # the fix it names
+    assert not any("master weights" in n for n in fprep.plan(fp32, cfg, WORLD2).unwrap().core.notes)
+    no_mixed = fprep.plan(model, cfg.replace(precision="no"), WORLD2).unwrap()
+    assert not any("master weights" in n for n in no_mixed.core.notes)
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ("cpu:99999999999999999999999", "one cpu device"),
+        ("cpu:1", "one cpu device"),
+        ("mps:2", "one mps device"),
+        ("cuda:128", "out of range"),  # torch.device would wrap it to cuda:-128
+        ("cuda:" + "9" * 5000, "out of range"),  # more digits than int() converts
+    ],
+)
+def test_device_indices_that_cannot_exist_are_refused(device: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says) as refused:
+        PrepConfig(device=device)
+    assert refused.value.subject == "device"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "cuda:127", "cuda:007", "hpu:3", "mps:0"])
+def test_device_indices_torch_keeps_are_accepted(device: str) -> None:
+    assert PrepConfig(device=device).device == device

@@ -9,13 +9,16 @@ the fix; the check runs once per optimizer and again when its param groups chang
 
 from __future__ import annotations
 
+import _stale_workers as SW
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fprep
 from fprep import PrepareError
 from fprep.apply.steps import handles_of
+from fprep.testing.distributed import run_ranks
 
 
 def meta_model() -> nn.Module:
@@ -99,3 +102,86 @@ def test_nothing_is_checked_when_no_replaced_parameter_is_left(meta: bool) -> No
     assert handles_of(state).replaced_params is None
     fprep.backward(state, model, loss(model))
     assert fprep.optimizer_step(state, opt)
+
+
+# -- a plain optimizer.step() (issue 18.4) -------------------------------------------------------
+def test_a_plain_step_of_replaced_parameters_is_refused_before_it_changes_anything() -> None:
+    """The loop helpers are optional: ``opt.step()`` as plain torch writes it is refused too,
+    with the fix; once rebound, plain steps train."""
+    model = meta_model()
+    stale = torch.optim.Adam(model.parameters(), lr=0.1)
+    state, model = fprep.prepare(model, fprep.PrepConfig(seed=0))
+    loss(model).backward()
+    before = weights(model)
+    with pytest.raises(PrepareError, match=r"Adam\.step\(\).*'0\.weight'") as step:
+        stale.step()
+    assert step.value.subject == "param_groups[0].params[0]"
+    assert "prepare_optimizer" in (step.value.hint or "")
+    assert not stale.state  # refused before the step: no state made for the old tensors
+    fprep.prepare_optimizer(state, model, stale)
+    stale.step()
+    assert changed(before, model)
+
+
+def test_a_plain_step_is_checked_again_when_a_group_is_added() -> None:
+    model = meta_model()
+    old = list(model.parameters())
+    _, model = fprep.prepare(model, fprep.PrepConfig(seed=0))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    loss(model).backward()
+    opt.step()  # checked and cached
+    opt.add_param_group({"params": [old[2]]})
+    with pytest.raises(PrepareError, match=r"group 1, position 0\) holds parameter '2\.weight'"):
+        opt.step()
+
+
+def test_two_preparations_do_not_interfere_and_freed_parameters_are_forgotten() -> None:
+    from fprep import optim
+
+    a, b = meta_model(), meta_model()
+    stale_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    _, a = fprep.prepare(a, fprep.PrepConfig(seed=0))
+    _, b = fprep.prepare(b, fprep.PrepConfig(seed=1))
+    fresh_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    loss(b).backward()
+    before = weights(b)
+    fresh_b.step()  # b's own optimizer is not affected by a's record
+    assert changed(before, b)
+    with pytest.raises(PrepareError, match=r"SGD\.step"):
+        stale_a.step()
+    del stale_a  # the only holder of a's old parameters: the record lets them go
+    assert len(optim._PROCESS.names) == 0
+    plain = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    plain.step()  # an optimizer fprep never saw steps as ever
+
+
+def test_a_real_model_in_one_process_keeps_its_parameters_and_a_plain_step_trains() -> None:
+    model = nn.Sequential(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before prepare, not passed
+    _, model = fprep.prepare(model, fprep.PrepConfig(seed=0))
+    loss(model).backward()
+    before = weights(model)
+    opt.step()
+    assert changed(before, model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_at_two_ranks_a_plain_step_is_refused_exactly_where_parameters_were_replaced() -> None:
+    """fsdp replaces every parameter (meta or real model), as materialization does under ddp:
+    refused, naming the fix, nothing changed; ddp and none keep a real model's parameters, so an
+    optimizer built before prepare steps them and trains."""
+    results = run_ranks(SW.stale_steps, 2, timeout_s=240.0)
+    for rank in results:
+        for case, out in rank.items():
+            replaced = case.startswith("fsdp") or case.endswith("meta")
+            if replaced:
+                refused = out["refused"]
+                assert refused is not None, f"{case}: a stale optimizer stepped silently"
+                assert "prepare_optimizer" in refused["hint"], case
+                assert refused["subject"].startswith("param_groups[0].params["), case
+                assert out["changed"] == 0, case  # refused before any change
+                assert out["changed_after_fix"] == out["total"], case  # then it trains
+            else:
+                assert out["refused"] is None, case
+                assert out["changed"] == out["total"], case

@@ -29,9 +29,12 @@ from fprep.checkpoint import files, layout
 from fprep.checkpoint.files import FileRecord
 from fprep.checkpoint.lock import lock_root
 from fprep.checkpoint.storage import SafeReader, SafeWriter
+from fprep.checkpoint.visible import check_visible
 
-#: ``scheme://``: what makes a path a URL (a local path never starts so; ``C:`` has no ``//``).
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+#: ``scheme://``, or fsspec's chained ``scheme::``: what makes a path a URL (a local path never
+#: starts so; ``C:`` has no ``//``). Chained URLs are URLs too, so that they are refused as such
+#: (``fsspec_store.file_system``) rather than written to a local directory named after them.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*(://|::)")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -83,7 +86,9 @@ class Store(Protocol):
     def write_manifest(self, name: str, data: bytes) -> FileRecord: ...
 
     def publish(self, name: str, step: int, manifest_digest: str) -> str:
-        """Make the staged ``name`` the root's newest checkpoint; returns its final name."""
+        """Make the staged ``name`` the root's newest checkpoint; returns its final name.
+
+        Refused (``visible.py``) unless every file the manifest lists is visible here."""
         ...
 
     def rotate(self, keep_last: int) -> list[str]: ...
@@ -154,7 +159,10 @@ class LocalStore:
         return files.write_durable(self.path / name / layout.MANIFEST, data)
 
     def publish(self, name: str, step: int, manifest_digest: str) -> str:
-        return layout.publish(self.path, self.path / name, step, manifest_digest).name
+        staged = self.path / name
+        manifest = files.read_small(staged / layout.MANIFEST, layout.MANIFEST)
+        check_visible(str(staged), manifest, manifest_digest, _listing(staged))
+        return layout.publish(self.path, staged, step, manifest_digest).name
 
     def rotate(self, keep_last: int) -> list[str]:
         return layout.rotate(self.path, keep_last)
@@ -168,6 +176,19 @@ class LocalStore:
 
     def step(self, location: str) -> StepFiles:
         return LocalStep(Path(location))
+
+
+def _listing(directory: Path) -> dict[str, int] | None:
+    """``name -> size`` of the regular files in ``directory``; None if it is not there."""
+    try:
+        with os.scandir(directory) as entries:
+            return {
+                e.name: e.stat(follow_symlinks=False).st_size
+                for e in entries
+                if e.is_file(follow_symlinks=False)
+            }
+    except FileNotFoundError:
+        return None
 
 
 def open_store(path: str | os.PathLike[str]) -> Store:

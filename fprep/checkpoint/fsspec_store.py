@@ -42,6 +42,7 @@ from fprep.checkpoint.files import (
     record_of,
 )
 from fprep.checkpoint.storage import SafeReader, SafeWriter, Source
+from fprep.checkpoint.visible import check_visible
 from fprep.errors import CheckpointError
 from fprep.progress import Progress
 
@@ -49,9 +50,50 @@ if TYPE_CHECKING:  # backend.open_store imports this module: types only, no impo
     from fprep.checkpoint.backend import Releasable, StepFiles
 
 
+def check_url(url: str) -> None:
+    """Refuse what fprep cannot save to or load from soundly, before fsspec sees it.
+
+    * A chained URL (``simplecache::s3://...``): a caching layer serves what it read first, so
+      a long job would read a stale ``latest`` (and the cache's copy, not the store's, would be
+      what ``load`` checks).
+    * ``.`` or ``..`` in the path: object stores keep them as literal names, while ``file://``
+      resolves them, so ``file://ROOT/x/../step-1`` would look like a new root and write into
+      the published ``ROOT/step-1``; and the checks of where a save goes see the text only.
+    """
+    if "::" in url:
+        raise CheckpointError(
+            f"{url} is a chained fsspec URL; fprep saves and loads checkpoints at one file "
+            "system's URL only (a cache in front of the store would serve a stale 'latest').",
+            subject=url,
+            hint="Pass the store's own URL (the part after the last '::', e.g. "
+            f"{url.rsplit('::', 1)[-1]}).",
+        )
+    path = url.split("://", 1)[-1].split("?", 1)[0]
+    if any(part in (".", "..") for part in path.split("/")):
+        raise CheckpointError(
+            f"{url} has a '.' or '..' path segment; fprep does not resolve them in URLs (object "
+            "stores keep them as names, file:// resolves them).",
+            subject=url,
+            hint="Pass the URL with the path written out (resolved), e.g. with "
+            "posixpath.normpath on its path.",
+        )
+
+
+def url_join(url: str, name: str) -> str:
+    """``url/name``; at a file system's root (``memory://``) without a second slash."""
+    return f"{url}{name}" if url.endswith("/") else f"{url}/{name}"
+
+
+def _without_trailing_slash(url: str) -> str:
+    """``url`` without a trailing ``/``, but the root keeps its ``scheme://``."""
+    stripped = url.rstrip("/")
+    return url[: len(stripped) + 2] if stripped.endswith(":") else stripped
+
+
 def file_system(url: str) -> tuple[Any, str]:
-    """fsspec's file system and path for ``url``; a ``CheckpointError`` without fsspec or for a
-    scheme no installed file system serves."""
+    """fsspec's file system and path for ``url``; a ``CheckpointError`` without fsspec, for a
+    scheme no installed file system serves, or for a URL ``check_url`` refuses."""
+    check_url(url)
     try:
         import fsspec
     except ImportError:
@@ -110,7 +152,8 @@ class FsspecStep:
         self.location: Path | str = url
 
     def pointer(self) -> str:
-        return posixpath.join(posixpath.dirname(str(self.location)), layout.LATEST)
+        parent = str(self.location).rsplit("/", 1)[0]
+        return url_join(_without_trailing_slash(parent + "/"), layout.LATEST)
 
     def _size(self, name: str, what: str) -> int:
         try:
@@ -167,7 +210,8 @@ class FsspecStore:
     """A checkpoint root at an fsspec URL (see the module docs)."""
 
     def __init__(self, fs: Any, path: str, url: str) -> None:
-        self.fs, self.path, self.url = fs, path.rstrip("/") or "/", url.rstrip("/")
+        self.fs, self.path = fs, path.rstrip("/") or "/"
+        self.url = _without_trailing_slash(url)
         #: ``file://``: the pointer is replaced by a rename (the one local file system); elsewhere
         #: it is one upload, whole or absent.
         self.renames = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
@@ -283,7 +327,11 @@ class FsspecStore:
         return record_of(data)
 
     def publish(self, name: str, step: int, manifest_digest: str) -> str:
-        """Everything of ``name`` is written: the pointer last makes it the newest checkpoint."""
+        """Everything of ``name`` is written: the pointer last makes it the newest checkpoint
+        (once every file the manifest lists is seen here, ``visible.py``)."""
+        where = self.location(name)
+        manifest = bytes(self.fs.cat_file(self._join(name, layout.MANIFEST)))
+        check_visible(str(where), manifest, manifest_digest, self._listing(name))
         text = f"{name} blake3:{manifest_digest}\n".encode()
         latest = self._join(layout.LATEST)
         if self.renames:
@@ -293,6 +341,19 @@ class FsspecStore:
         else:
             self.fs.pipe_file(latest, text)
         return name
+
+    def _listing(self, name: str) -> dict[str, int] | None:
+        """``file name -> size`` under the step prefix ``name`` (one listing); None if absent."""
+        self.fs.invalidate_cache(self._join(name))  # other ranks wrote there: list it afresh
+        try:
+            entries = self.fs.ls(self._join(name), detail=True)
+        except FileNotFoundError:
+            return None
+        return {
+            posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
 
     def rotate(self, keep_last: int) -> list[str]:
         """As ``layout.rotate``: the oldest beyond ``keep_last``, never the one ``latest`` names."""
@@ -304,7 +365,7 @@ class FsspecStore:
         return removed
 
     def location(self, name: str) -> Path | str:
-        return f"{self.url}/{name}"
+        return url_join(self.url, name)
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -322,7 +383,7 @@ class FsspecStore:
                     subject=self.url,
                     hint="Pass the URL given to fprep.save, or one of its step-* directories.",
                 )
-            return f"{self.url}/{complete[-1]}", None
+            return url_join(self.url, complete[-1]), None
         name, pinned = pointer
         if not self._has_manifest(name):
             raise CheckpointError(
@@ -330,8 +391,8 @@ class FsspecStore:
                 subject=layout.LATEST,
                 hint="The checkpoint it named was deleted; pass another step directory to load.",
             )
-        return f"{self.url}/{name}", pinned
+        return url_join(self.url, name), pinned
 
     def step(self, location: str) -> StepFiles:
         fs, path = file_system(location)
-        return FsspecStep(fs, path, location.rstrip("/"))
+        return FsspecStep(fs, path, _without_trailing_slash(location))

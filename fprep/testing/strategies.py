@@ -753,8 +753,13 @@ def plan_inputs(
     """
     topology = _draw(draw, topos if topos is not None else topologies())
     if trees is None:
+        # Half the valid trees keep one parameter dtype: under fsdp / hsdp the trainable
+        # parameters of a wrap unit must share theirs (redrawn below otherwise), and mixed
+        # trees would mostly be redrawn there.
+        one_dtype = valid and draw(st.booleans())
+        dtypes = (draw(st.sampled_from(PARAM_DTYPES)),) if one_dtype else PARAM_DTYPES
         trees = (
-            module_trees(allow_meta=st.booleans())
+            module_trees(allow_meta=st.booleans(), param_dtypes=dtypes)
             if valid
             else module_trees(
                 allow_scalar=st.booleans(),
@@ -764,11 +769,19 @@ def plan_inputs(
         )
     tree = _draw(draw, trees)
     cfg = draw(configs(tree=tree, topology=topology if valid else None, **config_fields))
-    if valid and any(len(p.names) > 1 for p in tree.params):
-        # Whether the wrap policy leaves a tied parameter to no unit of its own depends on the
-        # whole unit layout; rather than predict it, redraw the cases fprep refuses for it.
+    mixed = len({p.dtype for p in tree.params if p.requires_grad}) > 1
+    if valid and (mixed or any(len(p.names) > 1 for p in tree.params)):
+        # Whether the wrap policy leaves a tied parameter to no unit of its own (or puts
+        # trainable parameters of two dtypes in one unit) depends on the whole unit layout;
+        # rather than predict it, redraw the cases fprep refuses for it.
         result = plan(tree, cfg, topology)
-        assume(isinstance(result, Success) or "is tied across units" not in str(result.failure()))
+        assume(
+            isinstance(result, Success)
+            or not any(
+                why in str(result.failure())
+                for why in ("is tied across units", "trainable parameters of two dtypes")
+            )
+        )
     return PlanCase(tree, cfg, topology)
 
 

@@ -19,6 +19,7 @@ from fprep.state import (
 )
 from fprep.transitions._base import transition
 from fprep.transitions.device import normalize_device
+from fprep.transitions.dtypes import sixteen_bit_note
 
 _FP8_DEVICES = ("cuda", "hpu")
 
@@ -280,6 +281,8 @@ def init_core(state: PrepState) -> PrepState:
     if cfg.activation_checkpointing and cfg.wrap is None:
         notes += ("activation checkpointing without a wrap policy checkpoints the whole model.",)
     notes += _no_effect_notes(state, strategy, sharded)
+    low = sixteen_bit_note(state.tree, ignored.params, cfg.precision)
+    notes += (low,) if low else ()
     return state.replace(
         core=CoreState(
             requested_strategy=cfg.strategy,

@@ -34,6 +34,7 @@ from fprep.state import (
     need,
 )
 from fprep.transitions._base import transition
+from fprep.transitions.dtypes import check_unit_dtypes
 
 
 def _owned_numel(tree: ModuleTree, ignored: IgnoredState) -> dict[str, int]:
@@ -460,6 +461,8 @@ def init_param_handles(state: PrepState) -> PrepState:
         )
         for fqn in reversed(unit_fqns)  # inner units first, the root last
     )
+    if core.is_sharded:
+        check_unit_dtypes(ordered, mixed=core.precision.param_dtype is not None)
     return state.replace(
         param_handles=ParamHandleState(
             units=ordered, ignored=tuple(kept), materialize=_materialize(state, ignored)
