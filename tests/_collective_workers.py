@@ -140,9 +140,9 @@ def _outcome(call: Any) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _prepared() -> tuple[Any, nn.Module]:
+def _prepared(timeout_s: float = TIMEOUT_S) -> tuple[Any, nn.Module]:
     torch.manual_seed(0)
-    state, model = fprep.prepare(Net(), _cfg())
+    state, model = fprep.prepare(Net(), fprep.PrepConfig(strategy="fsdp", timeout_s=timeout_s))
     return state, model
 
 
@@ -226,8 +226,9 @@ def killed_mid_save(root: str, victim: int) -> dict[str, Any]:
 
 
 def calls_differ(root: str) -> dict[str, Any]:
-    """Rank 0 saves while rank 1 unwraps: both learn it at once."""
-    state, model = _prepared()
+    """Rank 0 saves while rank 1 unwraps: both learn it at once. A long timeout_s, so that the
+    ranks' acknowledgements (at most min(timeout_s, PROBE_S)) do not race a loaded machine."""
+    state, model = _prepared(timeout_s=60)
     if int(os.environ["RANK"]) == 0:
         return _outcome(lambda: fprep.save(root, state, model, step=1))
     return _outcome(lambda: fprep.unwrap(state, model))
