@@ -17,6 +17,11 @@ before any backend collective starts, so neither gloo nor nccl is left waiting. 
 a collective that fails (a peer killed, a backend timeout) becomes a ``CollectiveError`` naming
 the call and the ranks that no longer answer a short store probe, chained to torch's error.
 
+A missing rank that has called ``end_training`` or exited (``fprep.peers`` status) is named at
+once; every store wait runs under a deadline of its own (``fprep.peers.bounded``: a frozen store
+host blocks torch's store calls without end); after a mismatch every rank acknowledges having
+read the others' calls before any raises, so the store's host cannot leave first.
+
 ``arrive=False`` skips the arrival wait, for calls made every step (a gradient all-reduce): no
 store traffic and no bookkeeping unless a collective fails, when the same probe names the
 missing ranks (the ranks that failed in the same call meet under the same tag).
@@ -55,6 +60,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from fprep.errors import CollectiveError, PrepError, TopologyError
+from fprep.peers import StoreSilent, bounded, statuses, store_of
 
 #: The longest a launch waits for every rank to reach the launcher's store (seconds), unless
 #: ``PrepConfig.timeout_s`` is shorter. Documented in docs/training.md.
@@ -62,6 +68,13 @@ FIRST_CONTACT_S = 300.0
 #: How long ranks that saw a collective fail wait for each other to report (seconds), unless
 #: ``timeout_s`` is shorter: the ranks that do not report within it are named as lost.
 PROBE_S = 10.0
+#: How long the probe may take beyond ``PROBE_S`` when the store's host does not answer (frozen).
+PROBE_GRACE_S = 1.0
+#: How long an arrival may take beyond its wait before the store's host is taken for frozen.
+STORE_GRACE_S = 2.0
+_STATUS_EVERY_S = 0.25  # how often a waiting rank looks for ranks that ended or exited
+_POLL_MAX_S = 0.05  # the longest pause between two looks at the store while waiting
+_GONE = {"ended": "has already called fprep.end_training", "exited": "has exited"}
 
 _PREFIX = "fprep/"
 _sequences: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -69,14 +82,6 @@ _sequences: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 def _seconds(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(timeout_s, 0.001))
-
-
-def _store_of(group: Any) -> Any:
-    """The group's c10d store, or None (no real peers: fake backend, or no store known)."""
-    if dist.get_backend(group) == "fake":
-        return None
-    entry = dist.distributed_c10d._world.pg_map.get(group)
-    return None if entry is None else entry[1]
 
 
 def _global_ranks(group: Any) -> list[int]:
@@ -93,56 +98,99 @@ def _missing(store: Any, keys: Sequence[str], ranks: Sequence[int]) -> list[int]
     return [r for r, key in zip(ranks, keys, strict=True) if not store.check([key])]
 
 
-def _wait(store: Any, keys: Sequence[str], timeout_s: float) -> bool:
-    """Whether every key appeared within ``timeout_s`` (False on a timeout)."""
-    try:
-        store.wait(list(keys), _seconds(timeout_s))
-    except dist.DistStoreError:
-        return False
+def _await(
+    store: Any, keys: Sequence[str], ranks: Sequence[int], timeout_s: float, call: str, status: Any
+) -> bool:
+    """Whether every key appeared within ``timeout_s`` (False on a timeout). With a ``status``
+    store, a missing rank that said it ended or exited is a ``CollectiveError`` at once.
+
+    Polls ``check`` (a timed-out ``store.wait`` logs two warnings each time); runs inside
+    ``bounded`` work, since a frozen host blocks ``check`` too."""
+    deadline = time.monotonic() + timeout_s
+    pause, look = 0.001, 0.0
+    while not store.check(list(keys)):
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if status is not None and now >= look:
+            look = now + _STATUS_EVERY_S
+            gone = statuses(status, _missing(store, keys, ranks))
+            if gone:
+                said = "; ".join(f"rank {r} {_GONE.get(w, w)}" for r, w in sorted(gone.items()))
+                raise CollectiveError(
+                    f"{call} is collective: call it on every rank; {said}.",
+                    subject=call,
+                    hint=f"Call {call} on every rank, before fprep.end_training and before any "
+                    "rank's script ends.",
+                )
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, _POLL_MAX_S)
     return True
 
 
 def arrive(
-    store: Any, call: str, tag: str, index: int, ranks: Sequence[int], timeout_s: float
+    store: Any,
+    call: str,
+    tag: str,
+    index: int,
+    ranks: Sequence[int],
+    timeout_s: float,
+    status: Any = None,
 ) -> None:
-    """Write this rank's arrival key under ``tag``; wait for every rank's; raise if one is late.
+    """Write this rank's arrival key under ``tag``; wait for every rank's; raise if one is late,
+    arrived at another call, or (with a ``status`` store) ended or exited.
 
-    ``index`` is this rank's position in ``ranks`` (global rank numbers, for the message).
+    ``index`` is this rank's position in ``ranks`` (global rank numbers, for the message). A
+    store that does not answer raises ``StoreSilent`` (within ``timeout_s`` plus
+    ``min(timeout_s, PROBE_S) + STORE_GRACE_S``).
     """
-    keys = [f"{_PREFIX}{tag}/{i}" for i in range(len(ranks))]
-    store.set(keys[index], call)
-    if not _wait(store, keys, timeout_s):
-        missing = _missing(store, keys, ranks)
-        raise CollectiveError(
-            f"{call} is collective: call it on every rank; ranks {missing} did not arrive "
-            f"within {timeout_s:g} s.",
-            subject=call,
-            hint="Call it on every rank, in the same order on each; if a rank died, see its "
-            "log. PrepConfig.timeout_s sets how long ranks wait.",
-        )
-    calls = [bytes(v).decode() for v in store.multi_get(keys)]
-    others = {r: c for r, c in zip(ranks, calls, strict=True) if c != call}
-    if others:
-        shown = ", ".join(f"rank {r} called {c}" for r, c in others.items())
-        raise CollectiveError(
-            f"{call} is collective: call it on every rank; ranks {sorted(others)} arrived at "
-            f"another call instead ({shown}).",
-            subject=call,
-            hint="Call fprep's collective functions on every rank in the same order.",
-        )
+
+    def meet() -> None:
+        keys = [f"{_PREFIX}{tag}/{i}" for i in range(len(ranks))]
+        store.set(keys[index], call)
+        if not _await(store, keys, ranks, timeout_s, call, status):
+            missing = _missing(store, keys, ranks)
+            raise CollectiveError(
+                f"{call} is collective: call it on every rank; ranks {missing} did not arrive "
+                f"within {timeout_s:g} s.",
+                subject=call,
+                hint="Call it on every rank, in the same order on each; if a rank died, see its "
+                "log. PrepConfig.timeout_s sets how long ranks wait.",
+            )
+        calls = [bytes(v).decode() for v in store.multi_get(keys)]
+        others = {r: c for r, c in zip(ranks, calls, strict=True) if c != call}
+        if others:
+            # Every rank raises now, and a rank may exit at once: the store's host (rank 0) must
+            # not take the store away before every rank has read what the others called.
+            read = [f"{_PREFIX}{tag}/read/{i}" for i in range(len(ranks))]
+            store.set(read[index], call)
+            _await(store, read, ranks, min(timeout_s, PROBE_S), call, None)
+            shown = ", ".join(f"rank {r} called {c}" for r, c in others.items())
+            raise CollectiveError(
+                f"{call} is collective: call it on every rank; ranks {sorted(others)} arrived at "
+                f"another call instead ({shown}).",
+                subject=call,
+                hint="Call fprep's collective functions on every rank in the same order.",
+            )
+
+    bounded(meet, timeout_s + min(timeout_s, PROBE_S) + STORE_GRACE_S)
 
 
 def probe(
     store: Any, call: str, tag: str, index: int, ranks: Sequence[int], wait_s: float
 ) -> list[int]:
     """After a failure: the ranks that do not report within ``wait_s`` (all but us if the
-    store itself is gone)."""
+    store itself is gone, or does not answer within ``wait_s + PROBE_GRACE_S``)."""
     keys = [f"{_PREFIX}{tag}/failed/{i}" for i in range(len(ranks))]
-    try:
+
+    def report() -> list[int]:
         store.set(keys[index], call)
-        _wait(store, keys, wait_s)
+        _await(store, keys, ranks, wait_s, call, None)
         return _missing(store, keys, ranks)
-    except (RuntimeError, ValueError):  # the store is hosted by a rank that is gone
+
+    try:
+        return bounded(report, wait_s + PROBE_GRACE_S)
+    except (RuntimeError, ValueError):  # the store's host (a rank) is gone, or frozen
         return [r for i, r in enumerate(ranks) if i != index]
 
 
@@ -203,6 +251,7 @@ class Site:
         self.index = dist.get_rank(group)
         self.tag = f"c/{_next_sequence(group)}"
         self.where = "" if group is dist.group.WORLD else f" (process group of ranks {self.ranks})"
+        self.status = store if group is dist.group.WORLD else store_of(dist.group.WORLD)
 
     @classmethod
     def of(cls, call: str, group: Any) -> Site | None:
@@ -210,14 +259,14 @@ class Site:
             return None
         if group is None or dist.get_world_size(group) == dist.get_world_size():
             group = dist.group.WORLD  # (a mesh's group over every rank): one count for all calls
-        store = _store_of(group)
+        store = store_of(group)
         if store is None or dist.get_world_size(group) == 1:
             return None
         return cls(call, group, store)
 
     def arrive(self, timeout_s: float) -> None:
         try:
-            arrive(self.store, self.call, self.tag, self.index, self.ranks, timeout_s)
+            arrive(self.store, self.call, self.tag, self.index, self.ranks, timeout_s, self.status)
         except CollectiveError as e:
             if self.where:
                 raise CollectiveError(
@@ -229,8 +278,8 @@ class Site:
         # Every rank has passed its previous arrival: drop ours, so keys do not pile up.
         previous = _arrivals.get(self.group)
         if previous is not None:
-            with contextlib.suppress(RuntimeError):
-                self.store.delete_key(previous)
+            with contextlib.suppress(RuntimeError):  # (StoreSilent too: the next call says so)
+                bounded(lambda: self.store.delete_key(previous), STORE_GRACE_S)
         _arrivals[self.group] = f"{_PREFIX}{self.tag}/{self.index}"
 
     def probe(self, wait_s: float) -> list[int]:
@@ -334,11 +383,15 @@ def exchange(
     """Every rank's ``value`` (JSON data: the store is a network service, nothing is unpickled)
     in the order of ``ranks``; ``index`` is this rank's position there."""
     keys = [f"{_PREFIX}{tag}/x/{i}" for i in range(len(ranks))]
-    try:
+
+    def meet() -> tuple[list[int], list[Any]]:
         store.set(keys[index], json.dumps(value))
-        arrived = _wait(store, keys, timeout_s)
-        missing = [] if arrived else _missing(store, keys, ranks)
-        values = [json.loads(bytes(v)) for v in store.multi_get(keys)] if arrived else []
+        if not _await(store, keys, ranks, timeout_s, call, None):
+            return _missing(store, keys, ranks), []
+        return [], [json.loads(bytes(v)) for v in store.multi_get(keys)]
+
+    try:
+        missing, values = bounded(meet, timeout_s + STORE_GRACE_S)
     except (RuntimeError, ValueError) as e:
         raise _store_gone(call, e) from e
     if missing:
@@ -352,6 +405,14 @@ def exchange(
 
 
 def _store_gone(call: str, error: BaseException) -> CollectiveError:
+    if isinstance(error, StoreSilent):
+        return CollectiveError(
+            f"{call}: the job's store (hosted by rank 0, or by the launcher) does not answer: "
+            f"{error}.",
+            subject=call,
+            hint="Rank 0 (or the launcher's agent) is frozen: stopped (SIGSTOP, Ctrl-Z), held "
+            "in a debugger, or its machine is overloaded; see its log, restart the job.",
+        )
     return CollectiveError(
         f"{call}: the job's store (hosted by rank 0) cannot be reached: {_first_line(error)}",
         subject=call,

@@ -299,7 +299,7 @@ class PrepConfig:
     split_batches: bool = False
     # checkpoints and process groups
     state_dict_type: StateDictType = "sharded"
-    timeout_s: float = 1800.0
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         o = "PrepConfig"

@@ -22,6 +22,7 @@ import math
 import numbers
 import random
 import sys
+import time
 from typing import Any, Literal, get_args
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from fprep.apply.steps import handles_of
 from fprep.collectives import collective
 from fprep.errors import ConfigError, PrepareError
+from fprep.peers import publish
 from fprep.state import PrepState, need
 from fprep.topology import Topology
 
@@ -111,6 +113,23 @@ def barrier(groups: list[Any], device: torch.device, *, call: str) -> None:
     token = torch.zeros(1, device=device)
     for group in reversed(groups):
         dist.all_reduce(token, group=group)
+    released(token)
+
+
+def released(tensor: torch.Tensor, limit_s: float = 2.0) -> None:
+    """Return once no backend thread holds ``tensor`` any more (at most ``limit_s``).
+
+    A collective returns when its result is ready; the backend's worker thread drops its own
+    reference to the tensor a moment later. Had Python dropped its reference first, that
+    thread would free the tensor's Python object, which needs the GIL; at interpreter shutdown
+    (end_training, then the script ends) the thread is killed while holding a C++ destructor,
+    and the process aborts with ``terminate called without an active exception``. Waiting here
+    leaves the last reference to Python, released on the main thread."""
+    deadline = time.monotonic() + limit_s
+    pause = 0.0001
+    while tensor._use_count() > 1 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
 
 
 def guarded(
@@ -246,6 +265,8 @@ def end_training(state: PrepState) -> bool:
         background.settle()
     handles = handles_of(state)
     if not handles.owns_process_group or not _alive(handles.process_group):
+        if _alive(handles.process_group):
+            publish("ended")  # a rank still waiting for this one in a collective says so now
         return False
     world = dist.group.WORLD
     with guarded(state, [world], "fprep.end_training", arrive=True):
@@ -253,6 +274,7 @@ def end_training(state: PrepState) -> bool:
         if dist.get_rank() == 0:
             _forget_rendezvous()
         barrier([world], handles.device, call="fprep.end_training")  # ... before re-joining
+    publish("ended")
     dist.destroy_process_group()
     return True
 

@@ -27,9 +27,12 @@ from fprep.testing.distributed import become_rank, free_port
 TIMEOUT_S = 3.0  # PrepConfig.timeout_s in these tests: short, so that failures come fast
 
 
-def _rank(fn: Any, rank: int, world_size: int, port: int, results: Any, args: Any) -> None:
-    """One rank, as torchrun would start it. It exits as soon as its result is sent: tearing a
-    process group down after its peer was killed can block for many seconds."""
+def _rank(
+    fn: Any, rank: int, world_size: int, port: int, results: Any, args: Any, exit_: bool
+) -> None:
+    """One rank, as torchrun would start it. It exits as soon as its result is sent (tearing a
+    process group down after its peer was killed can block for many seconds); with ``exit_``
+    it ends as a script does instead (``atexit`` hooks run)."""
     become_rank(rank, world_size, port)
     try:
         results.put((rank, True, fn(*args)))
@@ -37,19 +40,34 @@ def _rank(fn: Any, rank: int, world_size: int, port: int, results: Any, args: An
         results.put((rank, False, traceback.format_exc()))
     results.close()
     results.join_thread()
-    os._exit(0)
+    if not exit_:
+        os._exit(0)
 
 
-def spawn(fn: Any, world_size: int, *args: Any, ranks: Any = None, timeout_s: float = 90.0) -> Any:
+def spawn(
+    fn: Any,
+    world_size: int,
+    *args: Any,
+    ranks: Any = None,
+    timeout_s: float = 90.0,
+    wait_for: Any = None,
+    exit_normally: bool = False,
+) -> Any:
     """``{rank: result}`` for ranks that reported, ``{rank: "exit <code>"}`` for those that
     exited without a result, ``{rank: "killed by the test"}`` for those still running at
-    ``timeout_s``. ``ranks`` (default: all) are the ranks started, out of ``world_size``."""
+    ``timeout_s`` (or once every rank of ``wait_for`` has reported). ``ranks`` (default: all)
+    are the ranks started, out of ``world_size``; ``exit_normally``: ranks end as scripts do."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     started = list(range(world_size)) if ranks is None else list(ranks)
+    needed = set(started if wait_for is None else wait_for)
     procs = {
-        r: ctx.Process(target=_rank, args=(fn, r, world_size, port, results, args), daemon=True)
+        r: ctx.Process(
+            target=_rank,
+            args=(fn, r, world_size, port, results, args, exit_normally),
+            daemon=True,
+        )
         for r in started
     }
     for p in procs.values():
@@ -57,7 +75,7 @@ def spawn(fn: Any, world_size: int, *args: Any, ranks: Any = None, timeout_s: fl
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(out) < len(procs) and time.monotonic() < deadline:
+        while not needed <= out.keys() and time.monotonic() < deadline:
             try:
                 rank, ok, value = results.get(timeout=0.5)
                 out[rank] = value if ok else f"raised:\n{value}"
@@ -71,6 +89,9 @@ def spawn(fn: Any, world_size: int, *args: Any, ranks: Any = None, timeout_s: fl
                             out[r] = f"exit {p.exitcode}"
     finally:
         for r, p in procs.items():
+            if exit_normally:
+                p.join(timeout=30.0)  # its exit hooks run; how it ended is part of the result
+                out[r] = {"result": out.get(r), "exitcode": p.exitcode}
             p.join(timeout=1.0)
             if p.is_alive():
                 p.kill()
@@ -119,9 +140,9 @@ def _outcome(call: Any) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _prepared() -> tuple[Any, nn.Module]:
+def _prepared(timeout_s: float = TIMEOUT_S) -> tuple[Any, nn.Module]:
     torch.manual_seed(0)
-    state, model = fprep.prepare(Net(), _cfg())
+    state, model = fprep.prepare(Net(), fprep.PrepConfig(strategy="fsdp", timeout_s=timeout_s))
     return state, model
 
 
@@ -205,8 +226,9 @@ def killed_mid_save(root: str, victim: int) -> dict[str, Any]:
 
 
 def calls_differ(root: str) -> dict[str, Any]:
-    """Rank 0 saves while rank 1 unwraps: both learn it at once."""
-    state, model = _prepared()
+    """Rank 0 saves while rank 1 unwraps: both learn it at once. A long timeout_s, so that the
+    ranks' acknowledgements (at most min(timeout_s, PROBE_S)) do not race a loaded machine."""
+    state, model = _prepared(timeout_s=60)
     if int(os.environ["RANK"]) == 0:
         return _outcome(lambda: fprep.save(root, state, model, step=1))
     return _outcome(lambda: fprep.unwrap(state, model))
@@ -225,3 +247,73 @@ def _left_behind(root: str) -> list[str]:
     for the next saver)."""
     path = Path(root)
     return sorted(p.name for p in path.iterdir() if p.name != ".lock") if path.exists() else []
+
+
+# -- peers that are gone, ended or frozen ---------------------------------------------------------
+def save_after_peer_exits(root: str) -> dict[str, Any]:
+    """Rank 1 returns (its process then exits as a script does); rank 0 saves meanwhile, with a
+    long ``timeout_s``: it must hear at once that rank 1 has exited."""
+    torch.manual_seed(0)
+    state, model = fprep.prepare(Net(), fprep.PrepConfig(strategy="fsdp", timeout_s=120))
+    if int(os.environ["RANK"]) != 0:
+        return {"error": None}
+    return _outcome(lambda: fprep.save(root, state, model, step=1))
+
+
+def save_after_peer_ended(root: str) -> dict[str, Any]:
+    """A process group of the user's own: rank 1 calls end_training (which leaves the group
+    alone) and stays alive, rank 0 saves: it hears at once that rank 1 has ended."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    state, model = fprep.prepare(Net(), fprep.PrepConfig(strategy="fsdp", timeout_s=120))
+    if int(os.environ["RANK"]) != 0:
+        return {"ended": fprep.end_training(state)}  # False: the group is the user's
+    return _outcome(lambda: fprep.save(root, state, model, step=1))
+
+
+def store_host_frozen(root: str, where: str) -> dict[str, Any]:
+    """Rank 0 (the store's host) stops itself (SIGSTOP) in ``prepare``'s plan agreement or
+    while writing its shards in ``save``; rank 1 must not wait for it without end."""
+    from fprep.checkpoint import storage
+
+    def freeze(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    rank0 = int(os.environ["RANK"]) == 0
+    if where == "prepare":
+        from fprep import agreement
+
+        if rank0:
+            agreement.exchange = freeze  # type: ignore[assignment]
+        return _outcome(_prepared)
+    state, model = _prepared()
+    if rank0:
+        storage.SafeWriter.write_data = freeze  # type: ignore[method-assign]
+    return _outcome(lambda: fprep.save(root, state, model, step=1))
+
+
+def prepare_and_end(repeats: int) -> dict[str, Any]:
+    """The flow of a finished job (meta GPT, fsdp, bf16, end_training), then the process ends
+    as a script does. Also: after each barrier, fprep holds the last reference to its token."""
+    import fprep.ranks
+    from fprep.testing import models
+
+    leftover = []
+    real = fprep.ranks.released
+
+    def watch(tensor: torch.Tensor, limit_s: float = 2.0) -> None:
+        real(tensor, limit_s)
+        leftover.append(tensor._use_count() - 1)  # type: ignore[attr-defined]
+
+    fprep.ranks.released = watch  # type: ignore[assignment]
+    state, _ = fprep.prepare(
+        models.tiny_gpt(device="meta"), fprep.PrepConfig(strategy="fsdp", precision="bf16")
+    )
+    for _ in range(repeats):
+        fprep.wait_for_everyone(state)
+    ended = fprep.end_training(state)
+    return {"ended": ended, "leftover": leftover}

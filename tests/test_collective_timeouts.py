@@ -69,7 +69,7 @@ def test_ranks_in_different_calls_name_each_other_at_once(tmp_path: Path) -> Non
         "ranks [0] arrived at another call instead (rank 0 called fprep.save)"
         in (unwrap["message"])
     )
-    assert max(save["seconds"], unwrap["seconds"]) < W.TIMEOUT_S
+    assert max(save["seconds"], unwrap["seconds"]) < 30  # timeout_s is 60: no waiting for it
 
 
 def test_launch_without_peer_fails_at_first_contact() -> None:

@@ -21,6 +21,7 @@ from fprep.apply.steps import Handles, step
 from fprep.collectives import first_contact, take_contact
 from fprep.devices import device_handle
 from fprep.errors import PrepareError, PrepError, TopologyError
+from fprep.peers import clear as clear_status
 from fprep.state import PrepState, need
 
 
@@ -100,6 +101,7 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
             if isinstance(e, PrepError):  # TopologyError, CollectiveError (a missing rank)
                 raise
             raise PrepareError(f"creating the process group failed: {e}", subject="connect") from e
+        clear_status()  # this rank takes part (again): forget an earlier "ended" or "exited"
         world_mesh = tp_mesh = None
         group: Any
         if tps is not None:  # one N-D mesh (dp dims..., tp); FSDP2 gets its dp sub-mesh
