@@ -32,11 +32,11 @@ class DeferredLane(Lane):
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.host_buffers += 1
-        return torch.full((numel,), 0xAB, dtype=torch.uint8).view(dtype)
+        return torch.full((numel * dtype.itemsize,), 0xAB, dtype=torch.uint8).view(dtype)
 
     def device_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.device_buffers += 1
-        return torch.full((numel,), 0xCD, dtype=torch.uint8).view(dtype)
+        return torch.full((numel * dtype.itemsize,), 0xCD, dtype=torch.uint8).view(dtype)
 
     def after_current(self) -> None:
         self.log.append("after_current")
