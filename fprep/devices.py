@@ -182,15 +182,13 @@ class Lane:
 
     @contextmanager
     def _on_side(self) -> Iterator[None]:
+        """The side stream current (``torch.Stream``'s own context manager: it also selects
+        the stream's device and restores both, whatever the current device was)."""
         if self.stream is None:
             yield
             return
-        before = self._current()
-        torch.accelerator.set_stream(self.stream)
-        try:
+        with self.stream:
             yield
-        finally:
-            torch.accelerator.set_stream(before)
 
     def after_current(self) -> None:
         """Order the side stream after everything enqueued on the current stream so far."""
