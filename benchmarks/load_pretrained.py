@@ -1,7 +1,16 @@
 """Peak memory and time of loading a pretrained checkpoint into FSDP2 shards, against
 ``from_pretrained`` + ``fully_shard`` on every rank.
 
-Run: ``python benchmarks/load_pretrained.py [--quick] [--rounds N]``.
+Run: ``python benchmarks/load_pretrained.py [--quick] [--rounds N] [--device cuda]``.
+
+``--device DEVICE`` (an accelerator: cuda, xpu, hpu) measures instead one process loading the
+checkpoint onto the device, float32 parameters from the bfloat16 files, rounds interleaved:
+``from_pretrained(dir, dtype=float32, device_map=DEVICE)`` against ``fprep.prepare`` of the meta
+model with ``weights=dir``, the page-cache read bandwidth of the files (parallel ``preadv``
+into one pinned buffer per thread) against ``fprep.weights.pipeline.pour``'s (files to device
+parameters, every copy done), and the device memory ``pour`` added beyond the parameters
+(bound: two chunk buffers). ``measure_device(directory, device, rounds)`` returns these
+figures as a dict for ``benchmarks/gpu_check.py``.
 
 The checkpoint: a Llama-shaped model (hidden 1024, 12 layers, MLP 2816, vocabulary 32000,
 untied head: 222M parameters), written by ``save_pretrained`` in bfloat16 over several files
@@ -122,12 +131,160 @@ def _worker(variant: str, directory: Path, quick: bool) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":  # (cpu: a smoke run of this code)
+        torch.accelerator.synchronize(device)
+
+
+def _allocated(device: torch.device, peak: bool = False) -> int:
+    if device.type == "cpu":
+        return 0
+    get = torch.accelerator.max_memory_allocated if peak else torch.accelerator.memory_allocated
+    return int(get(device))
+
+
+def _read_bandwidth(directory: Path, device: torch.device, readers: int) -> float:
+    """GB/s of reading every file from the page cache into pinned memory (no device copy)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fprep.devices import Lane
+    from fprep.weights.pipeline import CHUNK_BYTES, byte_view, read_exact
+
+    lane = Lane(device)
+    buffers = [lane.host_buffer(CHUNK_BYTES, torch.uint8) for _ in range(readers)]
+    jobs = [
+        (f, off)
+        for f in sorted(directory.glob("*.safetensors"))
+        for off in range(0, f.stat().st_size, CHUNK_BYTES)
+    ]
+    fds = {f: os.open(f, os.O_RDONLY) for f, _ in jobs}
+
+    def read(i: int) -> None:
+        buffer = buffers[i % readers]
+        for f, off in jobs[i::readers]:
+            n = min(CHUNK_BYTES, f.stat().st_size - off)
+            read_exact(fds[f], byte_view(buffer[:n]), off, str(f))
+
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(readers) as pool:
+            list(pool.map(read, range(readers)))
+        seconds = time.perf_counter() - start
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sum(f.stat().st_size for f in fds) / seconds / 1e9
+
+
+def _pour_files(directory: Path, device: torch.device) -> dict[str, float]:
+    """Every tensor of the files into float32 tensors on ``device`` through ``pour``."""
+    from fprep.devices import Lane
+    from fprep.weights.pipeline import CHUNK_BYTES, chunks_of, default_readers, pour
+    from fprep.weights.source import snapshot
+
+    snap = snapshot(str(directory))
+    fds = {f.path: os.open(f.real, os.O_RDONLY) for f in snap.files}
+    try:
+        dests = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in snap.tensors]
+        _sync(device)
+        before = _allocated(device)
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
+        chunks = [
+            c
+            for t, d in zip(snap.tensors, dests, strict=True)
+            for c in chunks_of(
+                fds[t.file], t.file, t.offset, getattr(torch, t.dtype), d, CHUNK_BYTES
+            )
+        ]
+        stats = pour(chunks, Lane(device), readers=default_readers(device))
+        extra = _allocated(device, peak=True) - before
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {
+        "pour_s": stats.seconds,
+        "pour_gbps": stats.gb_per_s,
+        "readers": stats.readers,
+        "waited_s": stats.waited_s,
+        "extra_device_bytes": extra,
+        "device_buffer_bytes": stats.device_buffer_bytes,
+    }
+
+
+def _load_on(variant: str, directory: Path, device: torch.device, quick: bool) -> float:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    _sync(device)
+    start = time.perf_counter()
+    if variant == "hf":
+        where = {"device_map": str(device)} if device.type != "cpu" else {}  # needs accelerate
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **where)
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config(quick))
+        cfg = fprep.PrepConfig(device=str(device), weights=str(directory))
+        _, model = fprep.prepare(model, cfg)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    del model
+    return seconds
+
+
+def measure_device(
+    directory: Path, device: str, rounds: int = 3, quick: bool = False
+) -> dict[str, float]:
+    """The device figures (module docstring) for a checkpoint ``save`` wrote; medians."""
+    from fprep.weights.pipeline import default_readers
+
+    dev = torch.device(device)
+    _load_on("fprep", directory, dev, quick)  # first-use imports and the page cache
+    _load_on("hf", directory, dev, quick)
+    runs: dict[str, list[float]] = {"hf": [], "fprep": [], "read_gbps": [], "pour_gbps": []}
+    pours = []
+    for _ in range(rounds):
+        for variant in ("hf", "fprep"):
+            runs[variant].append(_load_on(variant, directory, dev, quick))
+        runs["read_gbps"].append(_read_bandwidth(directory, dev, default_readers(dev)))
+        pours.append(_pour_files(directory, dev))
+        runs["pour_gbps"].append(pours[-1]["pour_gbps"])
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    out["ratio"] = statistics.median(f / h for f, h in zip(runs["fprep"], runs["hf"], strict=True))
+    out["bandwidth_share"] = out["pour_gbps"] / out["read_gbps"]
+    out["extra_device_bytes"] = max(p["extra_device_bytes"] for p in pours)
+    out["device_buffer_bytes"] = pours[-1]["device_buffer_bytes"]
+    out["readers"] = pours[-1]["readers"]
+    return out
+
+
+def main_device(device: str, quick: bool, rounds: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        n = save(directory, quick)
+        print(f"checkpoint: {n / 1e6:.1f}M parameters, bfloat16 -> float32 on {device}")
+        r = measure_device(directory, device, rounds, quick)
+    print(f"from_pretrained(device_map={device!r}): {r['hf']:.2f} s; fprep: {r['fprep']:.2f} s")
+    print(f"fprep / hf: {r['ratio']:.2f} (goal <= 0.5)")
+    print(
+        f"page-cache read {r['read_gbps']:.1f} GB/s, pour {r['pour_gbps']:.1f} GB/s of file = "
+        f"{r['bandwidth_share']:.0%} (goal >= 70%), {r['readers']:.0f} readers"
+    )
+    print(
+        f"device memory beyond the parameters: {r['extra_device_bytes'] / MB:.0f} MB "
+        f"(two chunk buffers: {r['device_buffer_bytes'] / MB:.0f} MB)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, one round")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--device", default=None, help="an accelerator: one process onto it")
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
+    if args.device is not None:
+        main_device(args.device, args.quick, rounds)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         n = save(directory, args.quick)

@@ -18,6 +18,8 @@ sees one device, ``hpu:0``: the Gaudi stack selects the card from ``HLS_MODULE_I
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +146,78 @@ class HpuHandle(DeviceHandle):
 def device_handle(device_type: str) -> DeviceHandle:
     """A handle for ``device_type`` ("cpu", "cuda", "hpu", "xpu", "mps")."""
     return HpuHandle() if device_type == "hpu" else DeviceHandle(device_type)
+
+
+class Lane:
+    """Copies between host and one device, ordered on a side stream so that they overlap the
+    host's work (reading the next chunk) and the device's (the training loop).
+
+    On an accelerator every ``copy`` is enqueued on a stream of its own (``torch.Stream``, so
+    cuda, xpu and hpu alike), non-blocking, between pinned host memory and the device; ``mark``
+    records an event after the copies enqueued so far, which the host (``wait``) or the current
+    stream (``current_waits``) waits on. On the cpu (or a device without streams) every copy is
+    done when ``copy`` returns and the marks are ``None``: the same code runs, synchronously.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: torch.Stream | None = None
+        accel = torch.accelerator.current_accelerator() if device.type != "cpu" else None
+        self.pin = accel is not None and accel.type == device.type
+        if self.pin:
+            try:
+                self.stream = torch.Stream(device)
+            except (RuntimeError, TypeError):  # pragma: no cover - a backend without streams
+                self.stream = None
+
+    def _current(self) -> torch.Stream:
+        return torch.accelerator.current_stream(self.device)
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory the device copies from or to asynchronously (pinned on an accelerator)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+
+    def device_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    @contextmanager
+    def _on_side(self) -> Iterator[None]:
+        """The side stream current (``torch.Stream``'s own context manager: it also selects
+        the stream's device and restores both, whatever the current device was)."""
+        if self.stream is None:
+            yield
+            return
+        with self.stream:
+            yield
+
+    def after_current(self) -> None:
+        """Order the side stream after everything enqueued on the current stream so far."""
+        if self.stream is not None:
+            self.stream.wait_stream(self._current())
+
+    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        """``dst[i].copy_(src[i])`` for every ``i``, on the side stream (a cast included)."""
+        non_blocking = self.stream is not None
+        with self._on_side():
+            if len(dst) == 1:
+                dst[0].copy_(src[0], non_blocking=non_blocking)
+            else:
+                torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)
+
+    def mark(self) -> torch.Event | None:
+        """An event after every copy enqueued so far (``None``: they are already done)."""
+        return None if self.stream is None else self.stream.record_event()
+
+    def wait(self, mark: torch.Event | None) -> None:
+        """Block the host until the copies before ``mark`` are done."""
+        if mark is not None:
+            mark.synchronize()
+
+    def current_waits(self, mark: torch.Event | None) -> None:
+        """Order later work on the current stream after the copies before ``mark``; the host
+        does not wait."""
+        if mark is not None:
+            self._current().wait_event(mark)
 
 
 def hpu_setup(*, distributed: bool) -> None:

@@ -6,12 +6,15 @@ initialized. Each read is one contiguous byte range of a file (``WeightsPlan``, 
 the headers while planning) and lands in the parameter's own memory, the DTensor's local tensor:
 
 * same dtype, on the CPU: ``os.preadv`` into the parameter's bytes, no copy at all;
-* another dtype (a bf16 file into fp32 parameters, or back) or an accelerator: through one
-  reusable buffer of ``CHUNK_BYTES``, cast (and copied to the device) chunk by chunk.
+* another dtype (a bf16 file into fp32 parameters, or back): through reused buffers of
+  ``CHUNK_BYTES``, cast chunk by chunk;
+* an accelerator: pinned host buffers copied to the device on a side stream while the next
+  chunks are read, cast on the device (``fprep.weights.pipeline``).
 
-So a rank's memory grows by its shards and one buffer, never by a full tensor, and the files are
-read with plain reads (no mmap: mapped pages would count as this process's memory, and no
-pickle: nothing in a weights file is executed).
+Chunks are read by up to ``default_readers`` threads. So a rank's memory grows by its shards and
+a few chunk buffers (two on the device), never by a full tensor, and the files are read with
+plain reads (no mmap: mapped pages would count as this process's memory, and no pickle: nothing
+in a weights file is executed).
 
 Nothing is written before every file checks out: each is opened without following links or
 blocking and must be the regular file planning read (identity and digest, see
@@ -29,7 +32,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -40,17 +43,23 @@ from fprep.apply.init_jobs import local_of
 from fprep.apply.steps import skipped, step
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.files import read_failure
+from fprep.devices import Lane
 from fprep.errors import CheckpointError, PrepareError
 from fprep.progress import Progress
 from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
 from fprep.weights.identity import check_unchanged, disagreement, fingerprint, open_planned
+from fprep.weights.pipeline import (
+    CHUNK_BYTES,
+    Chunk,
+    PourStats,
+    byte_view,
+    chunks_of,
+    default_readers,
+    pour,
+    read_exact,
+)
 from fprep.weights.records import ITEMSIZE, TensorRead, WeightsPlan
-
-#: Bytes of the buffer a chunk is read into when it must be cast or copied to a device.
-CHUNK_BYTES = 16 << 20
-#: The most one read asks for (Linux transfers at most about 2 GiB per call).
-_MAX_READ = 1 << 30
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -59,43 +68,23 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
-    if t.numel() == 0:
-        return memoryview(bytearray())
-    return t.view(-1).view(torch.uint8).numpy().data
-
-
-def _read_into(
-    fd: int, view: memoryview, offset: int, file: str, progress: Progress | None
-) -> None:
-    done = 0
-    while done < len(view):
-        part = view[done : done + _MAX_READ]
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [part], offset + done)
-        else:  # pragma: no cover - Windows
-            os.lseek(fd, offset + done, os.SEEK_SET)
-            n = os.readv(fd, [part])
-        if n <= 0:
-            raise CheckpointError(
-                f"{file} ended at byte {offset + done}, inside a tensor its header placed there.",
-                subject=file,
-                hint="The file was truncated or replaced after prepare read its header.",
-            )
-        done += n
-        if progress is not None:
-            progress.advance(n)
-
-
 class _Reader:
-    """Every file of the plan, opened and checked, and one chunk buffer, reused."""
+    """Every file of the plan, opened and checked; how the chunks are read (tests shrink them)."""
 
-    def __init__(self, plan: WeightsPlan, stack: ExitStack, progress: Progress) -> None:
+    def __init__(
+        self,
+        plan: WeightsPlan,
+        stack: ExitStack,
+        progress: Progress,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        readers: int | None = None,
+    ) -> None:
         self.plan = plan
         self.fds: dict[str, int] = {}
         self.progress = progress
-        self.buffer: torch.Tensor | None = None
+        self.chunk_bytes = chunk_bytes
+        self.readers = readers
         for file in plan.files:  # all of them before the first write
             fd = open_planned(file)
             stack.callback(os.close, fd)
@@ -105,39 +94,27 @@ class _Reader:
         for file in self.plan.files:
             check_unchanged(self.fds[file.path], file)
 
-    def chunk(self, device: torch.device) -> torch.Tensor:
-        if self.buffer is None:
-            pin = device.type == "cuda" and torch.cuda.is_available()
-            self.buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=pin)
-        return self.buffer
-
     def values(self, read: TensorRead, start: int, count: int, out: torch.Tensor) -> torch.Tensor:
         """Elements ``[start, start + count)`` of ``read``, read into ``out`` (bytes)."""
         itemsize = ITEMSIZE[read.dtype]
         part = out[: count * itemsize]
-        _read_into(  # a check, not progress
-            self.fds[read.file], _byte_view(part), read.offset + start * itemsize, read.file, None
-        )
+        read_exact(self.fds[read.file], byte_view(part), read.offset + start * itemsize, read.file)
         return part.view(_dtype(read.dtype))
 
-    def fill(self, read: TensorRead, dest: torch.Tensor) -> None:
-        """Write ``read``'s bytes, cast to ``dest``'s dtype, into ``dest`` (contiguous)."""
-        fd = self.fds[read.file]
-        source = _dtype(read.dtype)
-        if dest.device.type == "cpu" and dest.dtype == source:
-            _read_into(fd, _byte_view(dest), read.offset, read.file, self.progress)
-            return
-        flat = dest.view(-1)
-        itemsize = ITEMSIZE[read.dtype]
-        buffer = self.chunk(dest.device)
-        per_chunk = len(buffer) // itemsize
-        for start in range(0, flat.numel(), per_chunk):
-            count = min(per_chunk, flat.numel() - start)
-            part = buffer[: count * itemsize]
-            _read_into(
-                fd, _byte_view(part), read.offset + start * itemsize, read.file, self.progress
-            )
-            flat[start : start + count].copy_(part.view(source))
+    def chunks(self, read: TensorRead, dest: torch.Tensor) -> Iterable[Chunk]:
+        """``read``'s bytes, in chunks, for ``dest`` (contiguous)."""
+        fd, source = self.fds[read.file], _dtype(read.dtype)
+        return chunks_of(fd, read.file, read.offset, source, dest, self.chunk_bytes)
+
+    def pour(self, chunks: Iterable[Chunk], device: torch.device) -> PourStats:
+        readers = self.readers if self.readers is not None else default_readers(device)
+        return pour(
+            chunks,
+            Lane(device),
+            readers=readers,
+            chunk_bytes=self.chunk_bytes,
+            on_bytes=self.progress.advance,
+        )
 
 
 _COMPARE_BYTES = 1 << 20  # per side, when the names of a tied parameter are compared
@@ -224,20 +201,29 @@ def _destinations(plan: WeightsPlan, model: nn.Module) -> Iterator[tuple[TensorR
         yield read, local
 
 
-def load(plan: WeightsPlan, model: nn.Module, reader: _Reader, kept: _Kept) -> None:
-    """Every read of ``plan`` into ``model`` (this rank only; no collective). Destinations
-    the plan marks ``keep`` are copied into ``kept`` first."""
+def load(plan: WeightsPlan, model: nn.Module, reader: _Reader, kept: _Kept) -> list[PourStats]:
+    """Every read of ``plan`` into ``model`` (this rank only; no collective): one ``pour`` per
+    device the destinations are on. Destinations the plan marks ``keep`` are copied into
+    ``kept`` first, before the side stream starts (it waits for those copies)."""
+    stats = []
     with torch.no_grad():
+        by_device: dict[torch.device, list[Chunk]] = {}
+        strided: list[tuple[TensorRead, torch.Tensor]] = []
         for read, local in _destinations(plan, model):
             if read.keep:
                 kept.keep(local)
             if local.is_contiguous():
-                reader.fill(read, local)
-            else:  # a strided parameter: through one contiguous copy of it
-                dest = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-                reader.fill(read, dest)
-                local.copy_(dest)
+                by_device.setdefault(local.device, []).extend(reader.chunks(read, local))
+            else:
+                strided.append((read, local))
+        for device, chunks in by_device.items():
+            stats.append(reader.pour(chunks, device))
+        for read, local in strided:  # rare: through one host copy of it, in the file's dtype
+            dest = torch.empty(local.shape, dtype=_dtype(read.dtype))
+            stats.append(reader.pour(reader.chunks(read, dest), dest.device))
+            local.copy_(dest)
         reader.check_unchanged()
+    return stats
 
 
 @step("load_weights")

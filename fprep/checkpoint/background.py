@@ -43,6 +43,7 @@ import atexit
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from torch import nn
 
 from fprep.checkpoint import staging
 from fprep.checkpoint.collective import Group
-from fprep.checkpoint.writing import SaveArgs, Stage, collect, write_and_publish
+from fprep.checkpoint.writing import SaveArgs, collect, write_and_publish
 from fprep.collectives import PROBE_S, _first_line, is_collective_failure, probe
 from fprep.errors import CheckpointError, CollectiveError, PrepError
 from fprep.state import PrepState
@@ -136,8 +137,9 @@ class SaveHandle:
         state = "running" if not self.done() else ("failed" if self._error else "published")
         return f"SaveHandle(step={self.step}, root={str(self.root)!r}, {state})"
 
-    def _run(self, collected: Any, group: _OwnGroup) -> None:
+    def _run(self, collected: Any, group: _OwnGroup, copied: Callable[[], None]) -> None:
         try:
+            copied()  # the device-to-host copies staging enqueued: done before any byte is read
             self._path = write_and_publish(
                 collected, group, process_group=group.pg, progress=False, verify=True
             )
@@ -231,11 +233,6 @@ def _register_exit(hook: Any) -> None:
         register(hook)
 
 
-def _stager(model: nn.Module) -> Stage:
-    """``collect``'s staging step: every tensor copied into the model's host buffers."""
-    return staging.stager_for(model).stage
-
-
 def start(
     path: str | os.PathLike[str], state: PrepState, model: nn.Module, args: SaveArgs
 ) -> SaveHandle:
@@ -246,10 +243,11 @@ def start(
     tag = f"async-save/{_started}"
     group = Group.of(state)
     own = _own_group(group)  # before collect: a collective on the default group
-    collected = collect(path, state, model, args, stage=_stager(model))
+    stager = staging.stager_for(model)  # every tensor copied into the model's host buffers
+    collected = collect(path, state, model, args, stage=stager.stage)
     handle = SaveHandle(str(collected.root), args.step, state.config.timeout_s, tag)
     thread = threading.Thread(
-        target=handle._run, args=(collected, own), name="fprep-save", daemon=True
+        target=handle._run, args=(collected, own, stager.wait), name="fprep-save", daemon=True
     )
     with _lock:
         _in_flight = handle

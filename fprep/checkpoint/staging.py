@@ -14,43 +14,82 @@ the buffers are allocated once per model (``stager_for``) and reused by every la
 memory would add the page faults of a first touch, about as long as the copy itself); a save
 allocates only for tensors whose shape or dtype changed; the copies go through one
 ``torch._foreach_copy_`` per device (no Python work per element; torch's own copy kernels,
-parallel over its intra-op threads); a DTensor's host wrapper is kept with its buffer. Buffers
-are pinned when the tensors live on an accelerator, so the device-to-host copies run
-asynchronously and are waited for once.
+parallel over its intra-op threads); a DTensor's host wrapper is kept with its buffer.
+
+Tensors on an accelerator are copied into pinned buffers on a side stream (``fprep.devices.
+Lane``) and ``stage`` returns once the copies are enqueued; the stall is the time to enqueue,
+not to copy. The same guarantee holds (values at the call), by three orderings:
+
+* the side stream first waits for the current stream: every kernel enqueued before ``save``
+  (the last optimizer step) has written before the copy reads;
+* the current stream then waits for the event recorded after the copies: a kernel enqueued after
+  ``save`` returns (the next step's in-place update) runs after the copy has read. Without this
+  the next step's kernels, on the current stream, would not wait for the side stream and could
+  overwrite a parameter before it was copied. The host does not wait: only the device orders;
+* the sources stay referenced (``_sources``) until the copies are done, so the caching allocator
+  cannot hand their memory to another tensor (what ``record_stream`` would do, on any backend).
+
+The background thread calls ``wait`` (host waits for the event) before hashing or writing a
+byte. Writes to the live tensors from another stream of the user's are not ordered by this (as
+with any stream): such code must order itself after the current stream.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fprep.devices import Lane
+
 
 class Stager:
     """This rank's staging buffers, by checkpoint key."""
 
-    def __init__(self) -> None:
+    def __init__(self, lane_for: Callable[[torch.device], Lane | None] | None = None) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         # key -> (the DTensor spec it was made for, the DTensor over the key's buffer)
         self._wrapped: dict[str, tuple[object, DTensor]] = {}
+        self._lane_for = lane_for or self._side_lane
+        self._lanes: dict[torch.device, Lane] = {}
+        self._pending: list[tuple[Lane, torch.Event | None]] = []
+        self._sources: list[torch.Tensor] = []  # referenced until their copies are done
+
+    def _side_lane(self, device: torch.device) -> Lane | None:
+        """A side stream per accelerator, made once; ``None``: copy on the host."""
+        if device.type == "cpu":
+            return None
+        lane = self._lanes.get(device)
+        if lane is None:
+            lane = self._lanes[device] = Lane(device)
+        return lane
+
+    def wait(self) -> None:
+        """Block until every copy of the last ``stage`` is done (the background thread calls
+        this before reading a buffer); then release the sources."""
+        for lane, mark in self._pending:
+            lane.wait(mark)
+        self._pending, self._sources = [], []
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of ``tensors`` in host memory, complete when this returns (DTensors stay
-        DTensors, over host shards). Buffers of keys no longer given are released."""
+        """Copies of ``tensors`` in host memory (DTensors stay DTensors, over host shards):
+        complete when this returns for host tensors, enqueued for accelerator tensors (complete
+        after ``wait``). Buffers of keys no longer given are released."""
+        self.wait()  # copies of a save that never started writing: done before buffers are reused
         buffers: dict[str, torch.Tensor] = {}
         wrapped: dict[str, tuple[object, DTensor]] = {}
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         staged: dict[str, torch.Tensor] = {}
         for key, value in tensors.items():
             local = (value._local_tensor if isinstance(value, DTensor) else value).detach()
-            buffer = buffers[key] = self._buffer(key, local)
+            buffer = buffers[key] = self._buffer(key, local, self._lane_for(local.device))
             targets, sources = by_device.setdefault(local.device, ([], []))
             targets.append(buffer)
             sources.append(local)
@@ -58,12 +97,16 @@ class Stager:
             if isinstance(value, DTensor):
                 staged[key] = self._wrap(key, value, buffer, wrapped)
         for device, (targets, sources) in by_device.items():
-            host = device.type == "cpu"
-            torch._foreach_copy_(targets, sources, non_blocking=not host)
-            if not host:  # the non-blocking copies: done before anyone reads the buffers
-                module = getattr(torch, device.type, None)
-                if module is not None and hasattr(module, "synchronize"):
-                    module.synchronize(device)
+            lane = self._lane_for(device)
+            if lane is None:
+                torch._foreach_copy_(targets, sources)
+                continue
+            lane.after_current()  # after every kernel enqueued before the call
+            lane.copy(targets, sources)
+            mark = lane.mark()
+            lane.current_waits(mark)  # every kernel enqueued after the call: after the copy
+            self._pending.append((lane, mark))
+            self._sources.extend(sources)
         self.buffers, self._wrapped = buffers, wrapped
         return staged
 
@@ -85,12 +128,13 @@ class Stager:
         out[key] = (spec, made)
         return made
 
-    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key: str, like: torch.Tensor, lane: Lane | None) -> torch.Tensor:
         buffer = self.buffers.get(key)
         if buffer is not None and buffer.shape == like.shape and buffer.dtype == like.dtype:
             return buffer
-        pin = like.device.type != "cpu" and torch.cuda.is_available()
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+        if lane is None:
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu")
+        return lane.host_buffer(like.numel(), like.dtype).view(like.shape)  # pinned
 
 
 _STAGERS: weakref.WeakKeyDictionary[nn.Module, Stager] = weakref.WeakKeyDictionary()
