@@ -6,7 +6,7 @@ and the config (``fprep.plan``); effectful steps then apply it with PyTorch's ow
 
 from fprep.apply import Handles, Step, all_reduce_gradients, pipeline, step
 from fprep.checkpoint import export_full, load, save
-from fprep.config import DDPOptions, PrepConfig
+from fprep.config import DDPOptions, Fp8Options, PrepConfig
 from fprep.data import PreparedDataLoader, prepare_data_loader
 from fprep.errors import (
     CheckpointError,
@@ -67,6 +67,7 @@ __all__ = [
     "ConfigError",
     "DDPOptions",
     "DeviceError",
+    "Fp8Options",
     "GroupSpec",
     "Handles",
     "IgnoredStateError",
