@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fprep.apply import Handles, Step, all_reduce_gradients, pipeline, step
 from fprep.checkpoint import export_full, load, save
-from fprep.config import DDPOptions, PrepConfig
+from fprep.config import DDPOptions, Fp8Options, PrepConfig
 from fprep.data import PreparedDataLoader, prepare_data_loader
 from fprep.errors import (
     CheckpointError,
@@ -94,6 +94,7 @@ __all__ = [
     "ConfigError",
     "DDPOptions",
     "DeviceError",
+    "Fp8Options",
     "GroupSpec",
     "Handles",
     "IgnoredStateError",

@@ -31,6 +31,7 @@ CompileMode = Literal["none", "whole", "regional"]
 StateDictType = Literal["sharded", "full"]
 FloatDType = Literal["float32", "bfloat16", "float16"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 #: A wrap policy: module classes (or their names), a minimum parameter count, or a predicate over
 #: a module's snapshot (``ModuleInfo``), so that wrapping is decided without touching the model.
@@ -250,6 +251,47 @@ class DDPOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fp8Options:
+    """Options for ``precision="fp8"`` (torchao float8 training on CUDA; see docs/config.md).
+
+    Only plain ``nn.Linear`` layers whose dimensions are both multiples of 16 run in float8;
+    the output projection (``skip_output``) and the modules matching ``skip`` stay in bf16, as
+    torchtitan and Accelerate leave them. The plan lists each decision (``fprep plan``).
+    """
+
+    recipe: Fp8Recipe = "tensorwise"
+    #: ``fnmatch`` patterns over module FQNs kept in bf16 (a pattern matching a module keeps
+    #: every Linear below it too), e.g. ``("layers.0", "*.gate")``
+    skip: tuple[str, ...] = ()
+    #: keep the output projection in bf16: each Linear producing the vocabulary (its
+    #: out_features is the largest nn.Embedding's num_embeddings), else the model's last Linear
+    skip_output: bool = True
+    #: all-gather float8 weights under fsdp / hsdp (torchao, tensorwise recipe only);
+    #: ``None``: on wherever torchao supports it
+    fsdp_float8_all_gather: bool | None = None
+
+    def __post_init__(self) -> None:
+        owner = "PrepConfig.fp8"
+        _check_choice(owner, "recipe", self.recipe, Fp8Recipe)
+        skip = _names_tuple(owner, "skip", self.skip)
+        if any(not p for p in skip):
+            raise _fail(owner, "skip", "contains an empty pattern.")
+        object.__setattr__(self, "skip", skip)
+        _check_bool(owner, "skip_output", self.skip_output)
+        gather = self.fsdp_float8_all_gather
+        if gather is not None:
+            _check_bool(owner, "fsdp_float8_all_gather", gather)
+        if gather and self.recipe != "tensorwise":
+            raise _fail(
+                owner,
+                "fsdp_float8_all_gather",
+                f"needs recipe='tensorwise'; recipe is {self.recipe!r}.",
+                "torchao all-gathers float8 weights with tensorwise scales only: use "
+                "recipe='tensorwise', or leave fsdp_float8_all_gather=None.",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrepConfig:
     """How to prepare a model. See docs/config.md for every field."""
 
@@ -266,6 +308,7 @@ class PrepConfig:
     # precision
     precision: Precision = "no"
     reduce_dtype: FloatDType | None = None
+    fp8: Fp8Options = field(default_factory=Fp8Options)
     # wrapping and what to leave alone
     wrap: WrapPolicy = None
     ignored_modules: tuple[str, ...] = ()
@@ -330,6 +373,7 @@ class PrepConfig:
         _check_choice(o, "precision", self.precision, Precision)
         if self.reduce_dtype is not None:
             _check_choice(o, "reduce_dtype", self.reduce_dtype, FloatDType)
+        _check_fp8(self)
         object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
         for name in ("ignored_modules", "ignored_params"):
             object.__setattr__(self, name, _names_tuple(o, name, getattr(self, name)))
@@ -400,8 +444,9 @@ class PrepConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "ddp":
+            if f.name in ("ddp", "fp8"):
                 value = dataclasses.asdict(value)
+                value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
             elif f.name == "wrap":
                 value = _wrap_to_plain(value)
             elif f.name == "tp_plan" and value is not None:
@@ -452,6 +497,21 @@ def _build(cls: Any, data: Mapping[str, Any], owner: str) -> Any:
                 hint=f"Did you mean {close[0]!r}?" if close else f"Fields: {', '.join(names)}.",
             )
     return cls(**data)
+
+
+def _check_fp8(cfg: PrepConfig) -> None:
+    """``fp8`` is an ``Fp8Options`` (or its dict), set only with ``precision="fp8"``."""
+    if isinstance(cfg.fp8, Mapping):
+        object.__setattr__(cfg, "fp8", _build(Fp8Options, cfg.fp8, "PrepConfig.fp8"))
+    if not isinstance(cfg.fp8, Fp8Options):
+        raise _fail("PrepConfig", "fp8", f"must be an Fp8Options or a dict; got {cfg.fp8!r}.")
+    if cfg.fp8 != Fp8Options() and cfg.precision != "fp8":
+        raise _fail(
+            "PrepConfig",
+            "fp8",
+            f"is set but precision is {cfg.precision!r}.",
+            "Set precision='fp8', or drop fp8.",
+        )
 
 
 def _check_weights(cfg: PrepConfig) -> None:

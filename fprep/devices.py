@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from fprep.errors import PrepareError
 from fprep.topology import DEFAULT_BACKEND
 
 
-def _import(name: str, why: str) -> Any:
+def import_or_fail(name: str, why: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as e:
@@ -41,8 +40,7 @@ def _import(name: str, why: str) -> Any:
                 "On Gaudi, install Intel's Gaudi software stack (or use its container); it "
                 "provides habana_frameworks for its own torch build."
                 if name.startswith("habana_frameworks")
-                else f"Install the package that provides {name} (pip install torchao for "
-                "fp8 on CUDA)."
+                else f"Install the package that provides {name}."
             ),
         ) from None
 
@@ -108,15 +106,17 @@ class HpuHandle(DeviceHandle):
     type: str = "hpu"
 
     def _core(self) -> Any:
-        return _import("habana_frameworks.torch.core", "the hpu device")
+        return import_or_fail("habana_frameworks.torch.core", "the hpu device")
 
     def setup(self, *, distributed: bool) -> None:
         self._core()
         if distributed:
-            _import("habana_frameworks.torch.distributed.hccl", "the hccl backend")
+            import_or_fail("habana_frameworks.torch.distributed.hccl", "the hccl backend")
 
     def is_lazy(self) -> bool:
-        internal = _import("habana_frameworks.torch.utils.internal", "Gaudi's execution mode")
+        internal = import_or_fail(
+            "habana_frameworks.torch.utils.internal", "Gaudi's execution mode"
+        )
         return bool(internal.is_lazy())
 
     def step_mark(self) -> None:
@@ -125,7 +125,7 @@ class HpuHandle(DeviceHandle):
 
     @property
     def module(self) -> Any:
-        return _import("habana_frameworks.torch.hpu", "the hpu device")
+        return import_or_fail("habana_frameworks.torch.hpu", "the hpu device")
 
     def current_device(self) -> int:
         return 0  # each Gaudi process sees exactly one card
@@ -223,33 +223,3 @@ class Lane:
 def hpu_setup(*, distributed: bool) -> None:
     """Register the hpu device and, for distributed runs, the hccl backend."""
     HpuHandle().setup(distributed=distributed)
-
-
-def convert_fp8(model: nn.Module, device: torch.device) -> nn.Module:
-    """Swap Linear layers for fp8 ones: torchao on CUDA, Habana's transformer engine on Gaudi."""
-    if device.type == "cuda":
-        float8 = _import("torchao.float8", "precision='fp8' on CUDA")
-        converted = float8.convert_to_float8_training(model)
-        return converted if isinstance(converted, nn.Module) else model
-    if device.type == "hpu":
-        te = _import(
-            "habana_frameworks.torch.hpex.experimental.transformer_engine",
-            "precision='fp8' on Gaudi",
-        )
-        _swap_linears(model, te)
-        return model
-    raise PrepareError(
-        f"precision='fp8' is not available on {device}.",
-        subject="precision",
-        hint="Use precision='bf16' here.",
-    )
-
-
-def _swap_linears(module: nn.Module, te: Any) -> None:
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear:
-            fp8 = te.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-            fp8.load_state_dict(child.state_dict())
-            setattr(module, name, fp8)
-        else:
-            _swap_linears(child, te)

@@ -2,19 +2,21 @@
 
 The default pipeline, in order (each step is a no-op when the plan does not ask for it):
 
-1. ``connect``            process group and DeviceMesh (nothing for a single process)
-2. ``checkpoint``         activation checkpointing per region (composable, non-reentrant)
-3. ``compile_regions``    regional ``torch.compile`` of the repeated blocks
-4. ``shard``              FSDP2 ``fully_shard`` per unit, then the root (fsdp, hsdp)
-5. ``materialize``        meta -> real, only this rank's shards (reproducible by default)
-6. ``load_weights``       ``PrepConfig.weights``: each rank reads its own rows from the files
-7. ``place``              move a replicated model to the compute device
-8. ``sync_module_states`` rank 0's weights to every rank (fsdp, hsdp; DDP does it itself)
-9. ``precision``          autocast with float32 outputs; fp16 grad scaler; fp8 conversion
-10. ``replicate``         DistributedDataParallel and its comm hook (ddp)
-11. ``fast_ddp``          broadcast from rank 0 once (fast_ddp)
-12. ``compile_whole``     whole-model ``torch.compile``
-13. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
+1. ``connect``            process group, N-D DeviceMesh (nothing for a single process)
+2. ``fp8``                the planned Linear layers become float8 ones (precision="fp8")
+3. ``parallelize``        tensor parallelism: ``parallelize_module`` on the tp sub-mesh (tp > 1)
+4. ``checkpoint``         activation checkpointing per region (composable, non-reentrant)
+5. ``compile_regions``    regional ``torch.compile`` of the repeated blocks
+6. ``shard``              FSDP2 ``fully_shard`` per unit, then the root (fsdp, hsdp)
+7. ``materialize``        meta -> real, only this rank's shards (reproducible by default)
+8. ``load_weights``       ``PrepConfig.weights``: each rank reads its own rows from the files
+9. ``place``              move a replicated model to the compute device
+10. ``sync_module_states`` rank 0's weights to every rank (fsdp, hsdp; DDP does it itself)
+11. ``precision``         autocast with float32 outputs; fp16 grad scaler
+12. ``replicate``         DistributedDataParallel and its comm hook (ddp)
+13. ``fast_ddp``          broadcast from rank 0 once (fast_ddp)
+14. ``compile_whole``     whole-model ``torch.compile``
+15. ``mark_prepared``     so that a second ``prepare`` is refused instead of double wrapping
 
 Everything the plan can reject is rejected before step 1, so a failed ``prepare`` leaves the
 model exactly as it was. Ranks agree on the plan first (``fprep.agreement``): a plan that fails
@@ -40,6 +42,7 @@ from fprep.apply import (
     compile_regions,
     compile_whole,
     fast_ddp,
+    fp8,
     make_connect,
     materialize,
     pipeline,
@@ -51,6 +54,7 @@ from fprep.apply import (
     sync_module_states,
 )
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
+from fprep.apply.fp8 import check_fp8_available
 from fprep.apply.load_weights import load_weights
 from fprep.apply.parallelize import parallelize
 from fprep.apply.rollback import Rollback
@@ -89,6 +93,7 @@ def default_steps(*, mesh: Any = None, process_group: Any = None) -> tuple[Step,
     """The default steps, in order; ``connect`` uses the given mesh or process group."""
     return (
         make_connect(mesh=mesh, process_group=process_group),
+        fp8,
         parallelize,
         checkpoint,
         compile_regions,
@@ -206,6 +211,7 @@ def prepare(
             planned = result.unwrap()
             if planned.param_handles is not None:  # nothing can initialize a module: a note in
                 planned.param_handles.materialize.check()  # the plan, refused by prepare
+            check_fp8_available(planned)  # fp8 on CUDA needs a recent enough torchao
             # Sharding and meta-device materialization replace Parameter objects: record what
             # each optimizer holds by name now (refusing foreign parameters before any effect)
             # and point it at the new parameters afterwards, so that an optimizer built before

@@ -132,6 +132,16 @@ class BufferState:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fp8Plan:
+    """Which Linear layers run in float8 (``precision="fp8"``), and why the others do not."""
+
+    recipe: str  # torchao's recipe name ("tensorwise", "rowwise", ...)
+    modules: tuple[str, ...]  # Linear FQNs swapped for float8 ones
+    kept: tuple[tuple[str, str], ...]  # (Linear FQN, why it stays in high precision)
+    fsdp_float8_all_gather: bool  # FSDP2 all-gathers these weights in float8
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """Dtypes by role. ``None`` means "leave as is" (fp32 training)."""
 
@@ -141,6 +151,7 @@ class PrecisionPolicy:
     autocast_dtype: str | None = None  # autocast region dtype (every strategy)
     grad_scaling: bool = False  # fp16 needs a gradient scaler
     fp8: bool = False
+    fp8_plan: Fp8Plan | None = None  # set with fp8
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # PrepState.summary() calls this module: no import back at run time
-    from fprep.state import PrepState
+    from fprep.state import Fp8Plan, PrepState
 
 
 def human_bytes(n: float) -> str:
@@ -49,6 +49,8 @@ def summarize(state: PrepState) -> str:
             + (f", autocast {prec.autocast_dtype}" if prec.autocast_dtype else "")
             + (", grad scaling" if prec.grad_scaling else "")
         )
+        if prec.fp8_plan is not None:
+            lines += _fp8_lines(prec.fp8_plan)
     if state.process_group is not None:
         pg = state.process_group
         ext = state.extension
@@ -98,3 +100,16 @@ def summarize(state: PrepState) -> str:
         if state.skipped:
             lines.append(f"  no-op       {', '.join(state.skipped)} (nothing to do in this plan)")
     return "\n".join(lines)
+
+
+def _fp8_lines(plan: Fp8Plan, shown: int = 8) -> list[str]:
+    """Which Linear layers run in float8, and the ones kept in bf16 with the reason."""
+    gather = ", float8 all-gather" if plan.fsdp_float8_all_gather else ""
+    lines = [
+        f"  fp8         {plan.recipe}: {len(plan.modules)} Linear layers in float8{gather}, "
+        f"{len(plan.kept)} kept in bf16"
+    ]
+    lines += [f"    kept {fqn or '<root>'}: {why}" for fqn, why in plan.kept[:shown]]
+    if len(plan.kept) > shown:
+        lines.append(f"    ... and {len(plan.kept) - shown} more (state.core.precision.fp8_plan)")
+    return lines

@@ -23,6 +23,7 @@ from _checks import timed
 from torch import nn
 
 import fprep
+from fprep.compat import ddp_syncs_buffers
 from fprep.testing.models import (
     GPT,
     GPTBlock,
@@ -489,7 +490,7 @@ def ddp_option_facts() -> dict[str, Any]:
             "find_unused_parameters": ddp.find_unused_parameters,
             "static_graph": ddp.static_graph,
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
-            "forward_sync_buffers": ddp.forward_sync_buffers,
+            "forward_sync_buffers": ddp_syncs_buffers(ddp),
             "type": type(ddp).__name__,
         }
 

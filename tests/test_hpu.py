@@ -12,7 +12,9 @@ from fake_habana import install
 from torch import nn
 
 import fprep
-from fprep.devices import convert_fp8, device_handle
+from fprep.apply.fp8 import convert_fp8
+from fprep.devices import device_handle
+from fprep.state import Fp8Plan
 
 
 def _hpu_prepare(
@@ -103,8 +105,10 @@ def test_fp8_uses_the_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> Non
     log = install(monkeypatch)
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
     weight = model[1][0].weight.detach().clone()
-    convert_fp8(model, torch.device("hpu"))
-    assert log.count("te.Linear") == 2
+    plan = Fp8Plan(recipe="tensorwise", modules=("1.0",), kept=(), fsdp_float8_all_gather=False)
+    convert_fp8(model, plan, "hpu")
+    assert log.count("te.Linear") == 1  # only the planned layer
+    assert type(model[0]) is nn.Linear
     assert torch.equal(model[1][0].weight, weight)  # weights carried over
 
 

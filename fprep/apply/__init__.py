@@ -2,6 +2,7 @@
 
 from fprep.apply.connect import connect, make_connect
 from fprep.apply.fast_ddp import all_reduce_gradients, fast_ddp
+from fprep.apply.fp8 import fp8
 from fprep.apply.materialize import materialize
 from fprep.apply.place import place
 from fprep.apply.precision import precision
@@ -20,6 +21,7 @@ __all__ = [
     "compile_whole",
     "connect",
     "fast_ddp",
+    "fp8",
     "make_connect",
     "materialize",
     "pipeline",

@@ -9,6 +9,9 @@ Sharded strategies also get their parameter, reduction and output dtypes from FS
 ``MixedPrecisionPolicy`` (see shard.py); autocast runs there too, so that the ops autocast keeps
 in float32 (softmax, norms, a loss computed inside forward) do so under every strategy: one
 precision setting, the same numerics and output dtypes everywhere.
+
+fp8: the ``fp8`` step (fprep.apply.fp8, before sharding) swaps the Linear layers the plan lists
+for float8 ones; this step adds bf16 autocast around the whole forward, as for bf16.
 """
 
 from __future__ import annotations
@@ -110,12 +113,8 @@ def precision(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]
     core = need(state.core, "init_core", "precision")
     policy = core.precision
     device = handles_of(state).device
-    if not (policy.fp8 or policy.autocast_dtype or policy.grad_scaling):
+    if not (policy.autocast_dtype or policy.grad_scaling):
         return skipped(state, model)
-    if policy.fp8:
-        from fprep.devices import convert_fp8
-
-        model = convert_fp8(model, device)
     if policy.autocast_dtype is not None and not has_autocast(model):
         install_autocast(model, device.type, policy.autocast_dtype)
     if policy.grad_scaling:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fprep.apply.steps import handles_of, skipped, step
+from fprep.compat import ddp_buffer_kwargs
 from fprep.state import PrepState, need
 
 
@@ -71,9 +72,9 @@ def replicate(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]
     device = handles.device
     device_ids = [device.index] if device.type in ("cuda", "xpu") else None
     kwargs: dict[str, Any] = dict(runtime.ddp_kwargs)
-    # torch 2.13 deprecates broadcast_buffers in favour of forward_sync_buffers (same meaning
-    # in forward; buffers are still synced once at construction).
-    kwargs["forward_sync_buffers"] = kwargs.pop("broadcast_buffers", True)
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning in forward;
+    # buffers are still synced once at construction): compat picks the name this torch has.
+    kwargs.update(ddp_buffer_kwargs(kwargs.pop("broadcast_buffers", True)))
     ddp = DistributedDataParallel(
         model, device_ids=device_ids, process_group=handles.process_group, **kwargs
     )

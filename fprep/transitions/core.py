@@ -11,6 +11,7 @@ from fprep.errors import ConfigError, DeviceError, ModelError, PrepareError, Top
 from fprep.state import (
     CoreState,
     DeviceState,
+    Fp8Plan,
     IgnoredState,
     PrecisionPolicy,
     PrepState,
@@ -20,6 +21,7 @@ from fprep.state import (
 from fprep.transitions._base import transition
 from fprep.transitions.device import normalize_device
 from fprep.transitions.dtypes import sixteen_bit_note
+from fprep.transitions.fp8 import plan_fp8
 
 _FP8_DEVICES = ("cuda", "hpu")
 
@@ -65,7 +67,21 @@ def _resolve_beside_tp(requested: str, tp: int, dp: int) -> tuple[ResolvedStrate
     return ("fsdp" if requested == "auto" else requested), ""  # type: ignore[return-value]
 
 
-def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
+def _fp8_plan(
+    state: PrepState, sharded: bool, device: DeviceState, ignored: IgnoredState
+) -> Fp8Plan | None:
+    if state.config.precision != "fp8":
+        return None
+    return plan_fp8(
+        state.tree,
+        state.config.fp8,
+        ignored_modules=tuple(sorted(ignored.modules)),
+        sharded=sharded,
+        device_type=device.device_type,
+    )
+
+
+def _precision(state: PrepState, sharded: bool, fp8: Fp8Plan | None) -> PrecisionPolicy:
     """One precision setting, the same numerics under every strategy: the forward runs under
     autocast everywhere, so the ops autocast keeps in float32 (softmax, norms, losses) run in
     float32 also when FSDP2 already holds the parameters in low precision (a model computing
@@ -82,13 +98,15 @@ def _precision(state: PrepState, sharded: bool) -> PrecisionPolicy:
             output_dtype="float32",
             autocast_dtype=low,
             grad_scaling=cfg.precision == "fp16",
-            fp8=cfg.precision == "fp8",
+            fp8=fp8 is not None,
+            fp8_plan=fp8,
         )
     return PrecisionPolicy(
         autocast_dtype=low,
         output_dtype="float32",
         grad_scaling=cfg.precision == "fp16",
-        fp8=cfg.precision == "fp8",
+        fp8=fp8 is not None,
+        fp8_plan=fp8,
     )
 
 
@@ -283,12 +301,15 @@ def init_core(state: PrepState) -> PrepState:
     notes += _no_effect_notes(state, strategy, sharded)
     low = sixteen_bit_note(state.tree, ignored.params, cfg.precision)
     notes += (low,) if low else ()
+    fp8 = _fp8_plan(state, sharded, device, ignored)
+    if fp8 is not None and cfg.fp8.fsdp_float8_all_gather and not fp8.fsdp_float8_all_gather:
+        notes += ("fp8.fsdp_float8_all_gather has no effect: it needs fsdp or hsdp on CUDA.",)
     return state.replace(
         core=CoreState(
             requested_strategy=cfg.strategy,
             strategy=strategy,
             reshard_after_forward=raf if sharded else False,
-            precision=_precision(state, sharded),
+            precision=_precision(state, sharded, fp8),
             offload=cfg.offload,
             pin_memory=cfg.offload == "cpu" and device.device_type != "cpu",
             notes=notes,

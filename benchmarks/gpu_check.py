@@ -1,0 +1,470 @@
+"""GPU check: fprep's single-device matrix, step-time ratios and pretrained loading on this machine.
+
+One GPU (under 5 minutes on an H100 / H200, a ~0.4B transformers Llama built from a config):
+
+    python benchmarks/gpu_check.py
+
+Several GPUs (NCCL; adds ddp / fsdp / hsdp training and a sharded checkpoint round trip):
+
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py
+
+Without a GPU, a smoke test of the same code paths in seconds (what tests/test_gpu_check.py runs):
+
+    python benchmarks/gpu_check.py --device cpu --tiny
+
+Checks (each a row of the summary table; the exit status is 1 if any row FAILs):
+training from meta in fp32 / bf16 / fp16 (the loss falls); regional and whole compile with
+activation checkpointing (the first loss matches eager bf16); ``weights=`` from a bf16
+``save_pretrained`` directory (bit-equal to ``from_pretrained``) and its time against
+``from_pretrained(device_map=...)``; a synchronous and a ``wait=False`` checkpoint with a
+bit-exact resume; fp8 against torchao's hand conversion of the same modules (CUDA with torchao);
+the bf16 step time against hand-written torch and against Accelerate (when importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _timing import interleaved, ratio
+from torch import nn
+
+import fprep
+from fprep.compat import torch_features
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # "ok", "FAIL", "skip"
+    detail: str
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: str  # "cuda" or "cpu"
+    tiny: bool
+    world: int
+    rank: int
+    workdir: Path
+
+    @property
+    def steps(self) -> int:
+        return 6 if self.tiny else 12
+
+    @property
+    def rounds(self) -> int:
+        return 4 if self.tiny else 30
+
+
+# -- the model and data ---------------------------------------------------------------------------
+def llama_config(tiny: bool) -> Any:
+    from transformers import LlamaConfig
+
+    if tiny:
+        size = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, vocab_size=256)
+        heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    else:  # ~0.4B parameters: a step takes tens of milliseconds on one H100
+        size = dict(
+            hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, vocab_size=32000
+        )
+        heads = dict(num_attention_heads=16, num_key_value_heads=8)
+    return LlamaConfig(**size, **heads, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def build(tiny: bool, device: str = "meta") -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device):
+        return LlamaForCausalLM(llama_config(tiny))
+
+
+def block_class() -> type[nn.Module]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def batch(setup: Setup, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = llama_config(setup.tiny).vocab_size
+    shape = (2, 32) if setup.tiny else (4, 1024)
+    g = torch.Generator().manual_seed(seed + setup.rank)
+    ids = torch.randint(0, vocab, shape, generator=g)
+    return ids.to(setup.device), ids.to(setup.device)
+
+
+def loss_of(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    out = model(input_ids=data[0], labels=data[1])
+    loss: torch.Tensor = out["loss"] if isinstance(out, dict) else out.loss
+    return loss
+
+
+def cfg(setup: Setup, **kw: Any) -> fprep.PrepConfig:
+    base: dict[str, Any] = dict(seed=0, wrap=block_class(), device=setup.device)
+    return fprep.PrepConfig(**{**base, **kw})
+
+
+def run_steps(state: Any, model: nn.Module, opt: Any, data: Any, n: int) -> list[float]:
+    """``n`` training steps through fprep's loop helpers; the loss of each."""
+    losses = []
+    for _ in range(n):
+        loss = loss_of(model, data)
+        fprep.backward(state, model, loss)
+        fprep.optimizer_step(state, opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+def train(setup: Setup, config: fprep.PrepConfig, steps: int | None = None) -> list[float]:
+    """Prepare a meta model with ``config`` and train it; the losses of each step."""
+    state, model = fprep.prepare(build(setup.tiny), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return run_steps(state, model, opt, batch(setup), steps or setup.steps)
+
+
+def falls(losses: list[float]) -> Row | None:
+    if not all(map(lambda v: v == v and abs(v) < float("inf"), losses)):
+        return Row("", "FAIL", f"non-finite loss {losses}")
+    if not losses[-1] < losses[0]:
+        return Row("", "FAIL", f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return None
+
+
+# -- the checks ------------------------------------------------------------------------------------
+def check_precision(setup: Setup, precision: str) -> Row:
+    losses = train(setup, cfg(setup, precision=precision))
+    bad = falls(losses)
+    return bad or Row("", "ok", f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def check_compile(setup: Setup, mode: str) -> Row:
+    if setup.device == "cpu" and setup.tiny:
+        return Row("", "skip", "compiling takes minutes on a CPU: run on a GPU")
+    eager = train(setup, cfg(setup, precision="bf16"), steps=2)
+    compiled = train(
+        setup, cfg(setup, precision="bf16", compile=mode, activation_checkpointing=True)
+    )
+    bad = falls(compiled)
+    diff = abs(compiled[0] - eager[0])
+    if bad is None and diff > 0.05:
+        bad = Row("", "FAIL", f"first loss {compiled[0]:.4f} vs eager {eager[0]:.4f}")
+    return bad or Row(
+        "", "ok", f"loss {compiled[0]:.3f} -> {compiled[-1]:.3f} (eager {eager[0]:.3f})"
+    )
+
+
+def _sync(setup: Setup) -> None:
+    if setup.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(setup: Setup, fn: Callable[[], Any]) -> tuple[Any, float]:
+    _sync(setup)
+    start = time.perf_counter()
+    out = fn()
+    _sync(setup)
+    return out, time.perf_counter() - start
+
+
+def check_weights(setup: Setup) -> Row:
+    """``weights=`` from a bf16 save_pretrained directory into fp32 parameters: bit-equal to
+    ``from_pretrained``, and the time of each (the faster of two tries, page cache warm)."""
+    from transformers import LlamaForCausalLM
+
+    directory = setup.workdir / "pretrained"
+    if setup.rank == 0 and not directory.exists():
+        source = build(setup.tiny, "cpu").to(torch.bfloat16)
+        source.save_pretrained(directory)
+        del source
+    if setup.world > 1:
+        dist.barrier()
+    # device_map needs Accelerate; without it, load on the CPU and move (said in the row)
+    mapped = importlib.util.find_spec("accelerate") is not None
+    fp_times, hf_times = [], []
+    for _ in range(2):
+        (fp_state, ours), t = _timed(
+            setup, lambda: fprep.prepare(build(setup.tiny), cfg(setup, weights=str(directory)))
+        )
+        fp_times.append(t)
+        theirs, t = _timed(
+            setup,
+            lambda: (
+                LlamaForCausalLM.from_pretrained(
+                    directory, dtype=torch.float32, device_map=setup.device
+                )
+                if mapped
+                else LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).to(
+                    setup.device
+                )
+            ),
+        )
+        hf_times.append(t)
+    mine = dict(fprep.unwrap(fp_state, ours).named_parameters())
+    for name, p in theirs.named_parameters():
+        if name not in mine or not torch.equal(mine[name].detach().cpu(), p.detach().cpu()):
+            return Row("", "FAIL", f"{name} differs from from_pretrained (or is missing)")
+    fp, hf = min(fp_times), min(hf_times)
+    how = f"device_map={setup.device!r}" if mapped else ".to() (no accelerate)"
+    return Row(
+        "",
+        "ok",
+        f"bit-equal; fprep {fp:.2f} s vs from_pretrained({how}) {hf:.2f} s ({fp / hf:.2f}x)",
+    )
+
+
+def check_checkpoints(setup: Setup, strategy: str = "none") -> Row:
+    """Train 2 steps, save (sync), 1 step, save (wait=False), 2 more; a fresh model resumed from
+    the second save takes exactly the same 2 steps."""
+    config = cfg(setup, precision="bf16", strategy=strategy)
+    root = setup.workdir / f"ckpt-{strategy}"
+    data = batch(setup)
+
+    def run(state: Any, model: nn.Module, opt: Any, n: int) -> list[float]:
+        return run_steps(state, model, opt, data, n)
+
+    state, model = fprep.prepare(build(setup.tiny), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run(state, model, opt, 2)
+    fprep.save(root / "sync", state, model, optimizers=opt, step=2)
+    run(state, model, opt, 1)
+    handle = fprep.save(root / "async", state, model, optimizers=opt, step=3, wait=False)
+    expected = run(state, model, opt, 2)  # overlaps the background write
+    handle.wait()
+    state2, model2 = fprep.prepare(build(setup.tiny), config)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    fprep.load(root / "async", state2, model2, optimizers=opt2)
+    resumed = run(state2, model2, opt2, 2)
+    if resumed != expected:
+        return Row("", "FAIL", f"resume {resumed} != {expected}")
+    fprep.load(root / "sync", state2, model2, optimizers=opt2)
+    return Row("", "ok", f"sync + wait=False saved; resume bit-exact ({resumed[-1]:.4f})")
+
+
+def _hand_bf16(setup: Setup) -> Callable[[], None]:
+    model = build(setup.tiny, setup.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batch(setup)
+
+    def step() -> None:
+        with torch.autocast(setup.device, dtype=torch.bfloat16):
+            loss = loss_of(model, data)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(setup)
+
+    return step
+
+
+def _fprep_loop(setup: Setup, config: fprep.PrepConfig, model: nn.Module | None = None) -> Any:
+    state, prepared = fprep.prepare(model if model is not None else build(setup.tiny), config)
+    opt = torch.optim.AdamW(prepared.parameters(), lr=1e-3)
+    data = batch(setup)
+
+    def step() -> None:
+        fprep.backward(state, prepared, loss_of(prepared, data))
+        fprep.optimizer_step(state, opt)
+        opt.zero_grad(set_to_none=True)
+        _sync(setup)
+
+    return step
+
+
+def _accelerate_loop(setup: Setup) -> Callable[[], None]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=setup.device == "cpu")
+    model = build(setup.tiny, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    data = batch(setup)
+
+    def step() -> None:
+        accelerator.backward(loss_of(model, data))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(setup)
+
+    return step
+
+
+def _ratios(setup: Setup, loops: dict[str, Callable[[], None]], base: str) -> str:
+    times = interleaved(loops, rounds=setup.rounds, warmup=2 if setup.tiny else 5)
+    parts = [f"{base} {statistics.median(times[base]) * 1e3:.1f} ms"]
+    for name in loops:
+        if name != base:
+            whole, lo, hi = ratio(times, name, base)
+            parts.append(f"{name} {whole:.3f}x [{lo:.3f}-{hi:.3f}]")
+    return "; ".join(parts)
+
+
+def check_step_ratio(setup: Setup) -> Row:
+    loops = {
+        "torch": _hand_bf16(setup),
+        "fprep": _fprep_loop(setup, cfg(setup, precision="bf16")),
+        "fprep regional": _fprep_loop(setup, cfg(setup, precision="bf16", compile="regional")),
+    }
+    if importlib.util.find_spec("accelerate") is not None:
+        loops["accelerate"] = _accelerate_loop(setup)
+    return Row("", "ok", _ratios(setup, loops, "torch"))
+
+
+def check_fp8(setup: Setup) -> Row:
+    """fprep fp8 against torchao's own conversion of the same modules (regional compile both)."""
+    if setup.device != "cuda" or importlib.util.find_spec("torchao") is None:
+        return Row("", "skip", "needs CUDA and torchao")
+    from torchao.float8 import convert_to_float8_training
+
+    fp8_cfg = cfg(setup, precision="fp8", compile="regional")
+    state = fprep.plan(build(setup.tiny), fp8_cfg, fprep.Topology.from_env()).unwrap()
+    assert state.core is not None and state.core.precision.fp8_plan is not None
+    planned = frozenset(state.core.precision.fp8_plan.modules)
+    hand = build(setup.tiny)
+    convert_to_float8_training(hand, module_filter_fn=lambda _m, fqn: fqn in planned)
+    hand_cfg = cfg(setup, precision="bf16", compile="regional")
+    loops = {
+        "bf16": _fprep_loop(setup, hand_cfg),
+        "torchao by hand": _fprep_loop(setup, hand_cfg, hand),
+        "fprep fp8": _fprep_loop(setup, fp8_cfg),
+    }
+    kept = len(state.core.precision.fp8_plan.kept)
+    return Row(
+        "",
+        "ok",
+        f"{len(planned)} fp8 layers, {kept} kept; " + _ratios(setup, loops, "torchao by hand"),
+    )
+
+
+def check_strategy(setup: Setup, strategy: str) -> Row:
+    extra: dict[str, Any] = {}
+    if strategy == "hsdp":
+        extra["hsdp_shard_size"] = setup.world // 2 if setup.world % 2 == 0 else setup.world
+    losses = train(setup, cfg(setup, precision="bf16", strategy=strategy, **extra))
+    every: list[Any] = [None] * setup.world
+    dist.all_gather_object(every, losses[-1])
+    bad = falls(losses)
+    return bad or Row("", "ok", f"loss {losses[0]:.3f} -> {losses[-1]:.3f} on {setup.world} ranks")
+
+
+PRECISIONS = (("fp32", "no"), ("bf16", "bf16"), ("fp16", "fp16"))
+
+
+def checks(setup: Setup) -> list[tuple[str, Callable[[], Row]]]:
+    if setup.world > 1:
+        out = [
+            (f"train {s} bf16", lambda s=s: check_strategy(setup, s))
+            for s in ("ddp", "fsdp", "hsdp")
+        ]
+        out.append(("checkpoint fsdp", lambda: check_checkpoints(setup, "fsdp")))
+        return out
+    return [
+        *((f"train {n}", lambda p=p: check_precision(setup, p)) for n, p in PRECISIONS),
+        ("compile regional + AC", lambda: check_compile(setup, "regional")),
+        ("compile whole + AC", lambda: check_compile(setup, "whole")),
+        ("weights= (bf16 files)", lambda: check_weights(setup)),
+        ("checkpoints", lambda: check_checkpoints(setup)),
+        ("step vs torch / accelerate", lambda: check_step_ratio(setup)),
+        ("fp8 vs torchao by hand", lambda: check_fp8(setup)),
+    ]
+
+
+def run_checks(setup: Setup, only: Sequence[str] = ()) -> list[Row]:
+    rows = []
+    for name, fn in checks(setup):
+        if only and not any(o in name for o in only):
+            continue
+        start = time.perf_counter()
+        try:
+            row = fn()
+        except Exception as e:  # a failed check is a row, the others still run
+            traceback.print_exc()
+            row = Row("", "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        row.check = name
+        row.detail += f"  ({time.perf_counter() - start:.1f} s)"
+        rows.append(row)
+        if setup.rank == 0:
+            print(f"[{row.status:>4}] {name}: {row.detail}", flush=True)
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    width = max(len(r.check) for r in rows)
+    lines = [f"{'check':<{width}}  status  detail", f"{'-' * width}  ------  ------"]
+    lines += [f"{r.check:<{width}}  {r.status:<6}  {r.detail}" for r in rows]
+    return "\n".join(lines)
+
+
+def environment(setup: Setup) -> str:
+    parts = [f"torch {torch.__version__}", f"fprep {fprep.__version__}"]
+    for name in ("transformers", "accelerate", "torchao"):
+        if importlib.util.find_spec(name) is not None:
+            parts.append(f"{name} {getattr(__import__(name), '__version__', '?')}")
+    where = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
+    note = torch_features().support_note()
+    return (
+        f"{where}, {setup.world} process(es); " + ", ".join(parts) + (f"\n{note}" if note else "")
+    )
+
+
+@contextlib.contextmanager
+def process_group(device: str) -> Iterator[tuple[int, int]]:
+    """torchrun's process group (NCCL on CUDA), or none for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        yield 0, 1
+        return
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        yield dist.get_rank(), world
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny model and few steps (a smoke test)"
+    )
+    parser.add_argument("--quick", action="store_true", help="the same as --tiny")
+    parser.add_argument(
+        "--only", nargs="*", default=(), help="run the checks whose names contain these"
+    )
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU (use --device cpu --tiny)")
+    with process_group(device) as (rank, world), tempfile.TemporaryDirectory() as tmp:
+        where = [tmp]
+        if world > 1:  # rank 0's directory for every rank (torchrun on one machine)
+            dist.broadcast_object_list(where, src=0)
+        setup = Setup(device, args.tiny or args.quick, world, rank, Path(where[0]))
+        if rank == 0:
+            print(environment(setup), flush=True)
+        start = time.perf_counter()
+        rows = run_checks(setup, args.only)
+        if rank == 0:
+            print(f"\nfprep GPU check — {time.perf_counter() - start:.0f} s\n{table(rows)}")
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""benchmarks/gpu_check.py runs on a CPU (``--device cpu --tiny``): the smoke test of the script a
+maintainer runs on a GPU. A few of its checks only, to stay fast on two loaded cores."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def gpu_check(monkeypatch: pytest.MonkeyPatch) -> object:
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check as module
+
+    yield module
+    sys.modules.pop("gpu_check", None)
+
+
+def test_tiny_cpu_run_passes_and_prints_the_table(
+    gpu_check: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--only", "train bf16", "weights=", "fp8"])  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = out[out.index("fprep GPU check") :]
+    assert "train bf16" in table and "weights= (bf16 files)" in table
+    assert "bit-equal" in table  # fprep's weights= equals from_pretrained, value for value
+    assert "skip" in table.split("fp8 vs torchao by hand")[1]  # CUDA only
+    assert "FAIL" not in table
+
+
+def test_a_failing_check_is_a_row_and_exit_status_1(
+    gpu_check: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(setup: object, precision: str) -> object:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gpu_check, "check_precision", broken)
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--only", "train fp16"])  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "train fp16" in out and "FAIL" in out and "RuntimeError: boom" in out
