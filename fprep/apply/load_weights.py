@@ -44,6 +44,7 @@ from fprep.errors import CheckpointError, PrepareError
 from fprep.progress import Progress
 from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
+from fprep.weights.blocks import pieces
 from fprep.weights.identity import check_unchanged, disagreement, fingerprint, open_planned
 from fprep.weights.records import ITEMSIZE, TensorRead, WeightsPlan
 
@@ -232,10 +233,12 @@ def load(plan: WeightsPlan, model: nn.Module, reader: _Reader, kept: _Kept) -> N
             if read.keep:
                 kept.keep(local)
             if local.is_contiguous():
-                reader.fill(read, local)
+                for part, into in pieces(read, local):  # (a tp block's rows: fprep.weights.blocks)
+                    reader.fill(part, into)
             else:  # a strided parameter: through one contiguous copy of it
                 dest = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-                reader.fill(read, dest)
+                for part, into in pieces(read, dest):
+                    reader.fill(part, into)
                 local.copy_(dest)
         reader.check_unchanged()
 
