@@ -1,7 +1,7 @@
 """Peak memory and time of loading a pretrained checkpoint into FSDP2 shards, against
 ``from_pretrained`` + ``fully_shard`` on every rank.
 
-Run: ``python benchmarks/load_pretrained.py [--quick] [--rounds N] [--device cuda]``.
+Run: ``python benchmarks/load_pretrained.py [--quick] [--rounds N] [--tp 2] [--device cuda]``.
 
 ``--device DEVICE`` (an accelerator: cuda, xpu, hpu) measures instead one process loading the
 checkpoint onto the device, float32 parameters from the bfloat16 files, rounds interleaved:
@@ -11,6 +11,9 @@ into one pinned buffer per thread) against ``fprep.weights.pipeline.pour``'s (fi
 parameters, every copy done), and the device memory ``pour`` added beyond the parameters
 (bound: two chunk buffers). ``measure_device(directory, device, rounds)`` returns these
 figures as a dict for ``benchmarks/gpu_check.py``.
+
+``--tp 2``: fprep loads into a tensor-parallel layout instead (tp 2 over the two ranks: each
+reads its colwise rows and rowwise column runs, ``fprep.weights.blocks``); same bound.
 
 The checkpoint: a Llama-shaped model (hidden 1024, 12 layers, MLP 2816, vocabulary 32000,
 untied head: 222M parameters), written by ``save_pretrained`` in bfloat16 over several files
@@ -85,7 +88,7 @@ def save(directory: Path, quick: bool) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _load(variant: str, directory: Path, quick: bool) -> nn.Module:
+def _load(variant: str, directory: Path, quick: bool, tp: int = 1) -> nn.Module:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -93,6 +96,8 @@ def _load(variant: str, directory: Path, quick: bool) -> nn.Module:
         with torch.device("meta"):
             model = LlamaForCausalLM(config(quick))
         cfg = fprep.PrepConfig(strategy="fsdp", wrap=LlamaDecoderLayer, weights=str(directory))
+        if tp > 1:  # tp over the whole world: no data-parallel dimension left
+            cfg = fprep.PrepConfig(strategy="auto", tp=tp, weights=str(directory))
         _, model = fprep.prepare(model, cfg)
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -106,17 +111,17 @@ def _load(variant: str, directory: Path, quick: bool) -> nn.Module:
     return model
 
 
-def _worker(variant: str, directory: Path, quick: bool) -> dict[str, Any]:
+def _worker(variant: str, directory: Path, quick: bool, tp: int = 1) -> dict[str, Any]:
     import transformers  # noqa: F401 - imported before timing, by both variants
 
     dist.init_process_group("gloo")
     try:
-        _load(variant, directory / "warm", True)  # first-use imports, not measured
+        _load(variant, directory / "warm", True, tp)  # first-use imports, not measured
         base_kb = _status_kb("VmRSS")
         exact = _reset_peak()
         dist.barrier()
         start = time.perf_counter()
-        model = _load(variant, directory, quick)
+        model = _load(variant, directory, quick, tp)
         dist.barrier()
         seconds = time.perf_counter() - start
         peak_kb = (
@@ -280,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small model, one round")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--device", default=None, help="an accelerator: one process onto it")
+    parser.add_argument("--tp", type=int, default=1, choices=(1, WORLD), help="fprep's tp")
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
     if args.device is not None:
@@ -297,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         runs: dict[str, list[dict[str, float]]] = {"hf": [], "fprep": []}
         for _ in range(rounds):
             for variant in runs:  # alternate within each round
-                ranks = run_ranks(_worker, WORLD, variant, directory, args.quick, timeout_s=600)
+                ranks = run_ranks(
+                    _worker, WORLD, variant, directory, args.quick, args.tp, timeout_s=600
+                )
                 runs[variant].append(
                     {
                         "s": max(r["s"] for r in ranks),

@@ -300,13 +300,3 @@ def test_training_equals_one_process(
     for out in outs:
         assert out["norms"] == pytest.approx(ref["norms"], abs=1e-5)
         assert all(n > W.MAX_NORM for n in out["norms"])  # clipping acted
-
-
-def test_meta_model_under_tp_is_refused_by_prepare_untouched() -> None:
-    model = llama_tiny("meta")
-    before = {n: (p.shape, p.device) for n, p in model.named_parameters()}
-    with fake_world(4, 0), pytest.raises(ConfigError, match="meta") as info:
-        fprep.prepare(model, PrepConfig(strategy="fsdp", tp=2), topology=Topology(world_size=4))
-    assert info.value.subject == "tp"
-    assert {n: (p.shape, p.device) for n, p in model.named_parameters()} == before
-    assert not any(hasattr(p, "placements") for p in model.parameters())

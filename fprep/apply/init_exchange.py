@@ -17,12 +17,14 @@ from fprep.apply.init_jobs import (
     Job,
     Scratch,
     blame,
+    block_of,
     check_shard,
     compute,
     keep_rows,
     local_of,
+    span,
 )
-from fprep.apply.init_schedule import assign, row_span
+from fprep.apply.init_schedule import assign
 from fprep.errors import PrepareError
 from fprep.progress import Progress
 
@@ -101,10 +103,10 @@ def run_phase(
             for s, full in computed:
                 assert s.spec is not None
                 rows = full.contiguous()
-                for j in range(world):
-                    start, stop = row_span(s.spec, world, j)
-                    if j != rank and rows[start:stop].numel():
-                        chunk = as_bytes(rows[start:stop])
+                for j in range(world):  # (the shard group's ranks share a tp rank)
+                    block = block_of(rows, *span(s, world, j))
+                    if j != rank and block.numel():
+                        chunk = as_bytes(block.contiguous())
                         sending.append(
                             dist.isend(chunk, group=group, group_dst=j, tag=tags[i, s.name])
                         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fprep.apply.init_schedule import carve, module_seed, row_span
+from fprep.apply.init_schedule import carve, col_span, module_seed, row_span
 from fprep.errors import PrepareError
 from fprep.state import ShardSpec
 
@@ -341,10 +341,33 @@ def check_shard(s: StandIn) -> torch.Tensor:
     return local
 
 
-def keep_rows(s: StandIn, full: torch.Tensor, world: int, rank: int) -> None:
+def tp_rank_of(s: StandIn) -> int:
+    """This rank's coordinate on the tensor-parallel mesh dim of ``s`` (0 without one)."""
+    if s.spec is None or "tp" not in s.spec.mesh_dims:
+        return 0
+    rank: int = s.original.device_mesh.get_local_rank("tp")  # type: ignore[attr-defined]
+    return rank
+
+
+def span(s: StandIn, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """The rows ``[start, stop)`` of the full ``s`` that shard rank ``rank`` keeps, and its
+    columns (None: all; a column range where tensor parallelism cuts columns)."""
     assert s.spec is not None
-    start, stop = row_span(s.spec, world, rank)
-    check_shard(s).copy_(full[start:stop])
+    tp_rank = tp_rank_of(s)
+    return row_span(s.spec, world, rank, tp_rank), col_span(s.spec, tp_rank)
+
+
+def block_of(
+    full: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None
+) -> torch.Tensor:
+    """The block ``rows`` x ``cols`` of ``full`` (a view)."""
+    out = full[rows[0] : rows[1]]
+    return out if cols is None else out[:, cols[0] : cols[1]]
+
+
+def keep_rows(s: StandIn, full: torch.Tensor, world: int, rank: int) -> None:
+    rows, cols = span(s, world, rank)
+    check_shard(s).copy_(block_of(full, rows, cols))
 
 
 def run_everywhere(

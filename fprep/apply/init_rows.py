@@ -48,6 +48,7 @@ from fprep.apply.init_jobs import (
     keep_rows,
     local_of,
     seeded,
+    span,
 )
 from fprep.apply.init_schedule import (
     BLOCK_ELEMENTS,
@@ -55,6 +56,7 @@ from fprep.apply.init_schedule import (
     block_seed,
     blocks_over,
     row_span,
+    tp_cut,
 )
 from fprep.apply.rollback import Rollback
 
@@ -132,6 +134,10 @@ class Track:
     rows: torch.Tensor
     keep: bool = False
     backup: torch.Tensor | None = None
+    #: Where tensor parallelism cuts columns: ``rows`` is a buffer of whole rows, and
+    #: ``commit`` copies its columns ``cols`` into the shard ``home`` once the init succeeded.
+    home: torch.Tensor | None = None
+    cols: tuple[int, int] | None = None
 
     def before_write(self) -> None:
         if self.keep and self.backup is None:
@@ -141,6 +147,10 @@ class Track:
         if self.backup is not None:
             self.rows.copy_(self.backup)
             self.backup = None
+
+    def commit(self) -> None:
+        if self.home is not None and self.cols is not None:
+            self.home.copy_(self.rows[:, self.cols[0] : self.cols[1]])
 
 
 @dataclass(eq=False)
@@ -364,30 +374,51 @@ def window_for(
     device: torch.device,
     elements: int = BLOCK_ELEMENTS,
     keep: bool = False,
+    home: tuple[torch.Tensor, tuple[int, int]] | None = None,
 ) -> nn.Parameter:
     """A window onto ``rows`` (rows ``start`` onwards of the full ``p``; None: none of them), as
     a parameter (a ``RowWindow`` that ``isinstance(..., nn.Parameter)`` accepts, as its init
-    may check)."""
+    may check). ``home``: the shard and columns ``rows`` (whole rows) stand in for, where
+    tensor parallelism cuts columns (``Track.commit``)."""
     if rows is None:
         rows, start = _nothing(p.shape, p.dtype, device), 0
     fills = Fills(seed=seed, name=name, per_block=block_rows(p.shape, elements))
     track = Track(key=name, rows=rows, keep=keep)
+    if home is not None:
+        track.home, track.cols = home
     window = RowWindow(p.shape, rows, start, fills, dtype=p.dtype, device=rows.device, track=track)
     return nn.Parameter(window, requires_grad=p.requires_grad)
+
+
+def shard_rows(
+    s: StandIn, world: int, rank: int
+) -> tuple[torch.Tensor, int, tuple[torch.Tensor, tuple[int, int]] | None]:
+    """The rows of the full ``s`` this rank keeps, the first one's index, and (where tensor
+    parallelism cuts columns) the shard and columns they stand in for: the rows are then a
+    buffer of whole rows (this rank's rows times tp elements), holding the shard's current
+    values in its columns, so that every row-local op and random block sees whole rows."""
+    (start, stop), cols = span(s, world, rank)
+    local = check_shard(s)[: stop - start]
+    if cols is None:
+        return local, start, None
+    rows = local.new_zeros((stop - start, *s.shape[1:]))
+    rows[:, cols[0] : cols[1]].copy_(local)
+    return rows, start, (local, cols)
 
 
 def _window_of(s: StandIn, world: int, rank: int, seed: int) -> nn.Parameter:
     """A window for one entry of a parent's ``reach``, named by its path."""
     rows: torch.Tensor | None
+    home = None
     if s.in_place:  # not sharded: every row, in place
         rows, start, device = s.original, 0, s.original.device
     elif s.spec is None:  # tied: another name's init gives its values
         rows, start, device = None, 0, s.device
     else:
-        start, stop = row_span(s.spec, world, rank)
-        rows, device = check_shard(s)[: stop - start], s.device
+        rows, start, home = shard_rows(s, world, rank)
+        device = s.device
     return window_for(
-        s.original, rows, start, seed=seed, name=s.name, device=device, keep=s.written
+        s.original, rows, start, seed=seed, name=s.name, device=device, keep=s.written, home=home
     )
 
 
@@ -406,14 +437,15 @@ def _windows(job: Job, world: int, rank: int) -> dict[str, nn.Parameter]:
             continue
         s = stand_ins.get(name)
         rows: torch.Tensor | None
+        home = None
         if s is None:  # not sharded: every row, in place
             rows, start, device = p, 0, p.device
         elif s.spec is None:  # tied: another module's init gives its values
             rows, start, device = None, 0, s.device
         else:
-            start, stop = row_span(s.spec, world, rank)
-            rows, device = check_shard(s)[: stop - start], s.device
-        out[name] = window_for(p, rows, start, seed=job.seed, name=name, device=device)
+            rows, start, home = shard_rows(s, world, rank)
+            device = s.device
+        out[name] = window_for(p, rows, start, seed=job.seed, name=name, device=device, home=home)
     return out
 
 
@@ -421,6 +453,14 @@ def _places(job: Job, windows: dict[str, nn.Parameter]) -> list[tuple[nn.Module,
     if not job.reach:
         return [(job.module, name) for name in windows]
     return [place for s in job.reach if s.name in windows for place in s.places(job.module)]
+
+
+def _commit(windows: dict[str, nn.Parameter]) -> None:
+    """Copy the columns of whole-row buffers into their shards (tensor parallelism)."""
+    for w in windows.values():
+        track = getattr(w, "track", None)
+        if isinstance(track, Track):
+            track.commit()
 
 
 def _undo_writes(windows: dict[str, nn.Parameter]) -> None:
@@ -474,7 +514,9 @@ def init_by_rows(
     finally:
         for m, n, v in reversed(saved):  # (a parameter the init added stays, as in eager)
             m._parameters[n] = v
-    if not ok:
+    if ok:
+        _commit(placed)
+    else:
         _undo_writes(placed)
         undo.restore()
     return ok
@@ -491,7 +533,12 @@ def current_full(
     s: StandIn, world: int, rank: int, group: Any, device: torch.device
 ) -> torch.Tensor | None:
     """The full current value of ``s`` (sharded: its rows gathered from the shard group, in
-    order; None where the ranks do not talk, as with ``sync_module_states``)."""
+    order; None where the ranks do not talk, as with ``sync_module_states``; under tensor
+    parallelism, gathered from the whole mesh)."""
+    if s.spec is not None and tp_cut(s.spec) is not None:
+        check_shard(s)
+        full: torch.Tensor = s.original.full_tensor()  # type: ignore[attr-defined]
+        return full
     local = check_shard(s) if s.spec is not None else local_of(s.original)
     if s.spec is None or world == 1:
         return local
@@ -557,6 +604,7 @@ def init_in_full(
                     raise
                 full |= more
                 continue
+            _commit(windows)
             for s, value in computed:
                 keep_rows(s, value, world, rank)
             return

@@ -90,11 +90,40 @@ def assign(costs: Sequence[int], world: int) -> list[int]:
     return owners
 
 
-def row_span(spec: ShardSpec, world: int, rank: int) -> tuple[int, int]:
-    """The rows ``[start, stop)`` of the full parameter that shard rank ``rank`` holds."""
-    start = spec.padded_shape[0] * rank
-    rows = local_rows(spec.shape[0], world, rank) if all(spec.shape[1:]) else 0
+def tp_cut(spec: ShardSpec) -> tuple[int, int] | None:
+    """``(dim, tp)``: the dimension tensor parallelism cuts ``spec`` along and into how many
+    blocks (``tp`` divides it: checked by the plan); None where it does not cut it."""
+    if "tp" not in spec.mesh_dims:
+        return None
+    placement = spec.placements[spec.mesh_dims.index("tp")]
+    if not placement.startswith("Shard(dim="):
+        return None
+    dim = int(placement[len("Shard(dim=") : -1])
+    return dim, spec.shape[dim] // spec.tp_shape[dim]
+
+
+def row_span(spec: ShardSpec, world: int, rank: int, tp_rank: int = 0) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of the full parameter that shard rank ``rank`` (tensor-
+    parallel rank ``tp_rank``) holds: FSDP2's rows of the tensor-parallel block, which starts
+    ``tp_rank`` blocks down where tensor parallelism cuts rows (colwise)."""
+    cut = tp_cut(spec)
+    base, total = 0, spec.shape[0]
+    if cut is not None and cut[0] == 0:
+        total = spec.tp_shape[0]
+        base = total * tp_rank
+    start = base + spec.padded_shape[0] * rank
+    rows = local_rows(total, world, rank) if all(spec.shape[1:]) else 0
     return start, start + rows
+
+
+def col_span(spec: ShardSpec, tp_rank: int) -> tuple[int, int] | None:
+    """The columns ``[start, stop)`` of the full parameter that tensor-parallel rank
+    ``tp_rank`` holds where tensor parallelism cuts columns (rowwise), else None (all)."""
+    cut = tp_cut(spec)
+    if cut is None or cut[0] != 1:
+        return None
+    width = spec.tp_shape[1]
+    return width * tp_rank, width * (tp_rank + 1)
 
 
 def block_rows(shape: Sequence[int], elements: int = BLOCK_ELEMENTS) -> int:

@@ -48,6 +48,7 @@ from fprep.errors import CheckpointError, PrepareError
 from fprep.progress import Progress
 from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
+from fprep.weights.blocks import pieces
 from fprep.weights.identity import check_unchanged, disagreement, fingerprint, open_planned
 from fprep.weights.pipeline import (
     CHUNK_BYTES,
@@ -213,14 +214,16 @@ def load(plan: WeightsPlan, model: nn.Module, reader: _Reader, kept: _Kept) -> l
             if read.keep:
                 kept.keep(local)
             if local.is_contiguous():
-                by_device.setdefault(local.device, []).extend(reader.chunks(read, local))
+                for part, into in pieces(read, local):  # a tp block's rows: weights.blocks
+                    by_device.setdefault(local.device, []).extend(reader.chunks(part, into))
             else:
                 strided.append((read, local))
         for device, chunks in by_device.items():
             stats.append(reader.pour(chunks, device))
         for read, local in strided:  # rare: through one host copy of it, in the file's dtype
             dest = torch.empty(local.shape, dtype=_dtype(read.dtype))
-            stats.append(reader.pour(reader.chunks(read, dest), dest.device))
+            parts = [c for part, into in pieces(read, dest) for c in reader.chunks(part, into)]
+            stats.append(reader.pour(parts, dest.device))
             local.copy_(dest)
         reader.check_unchanged()
     return stats

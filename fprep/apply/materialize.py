@@ -210,10 +210,13 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
     # sync_module_states, rank 0 may hold real weights while the others hold meta tensors,
     # and whatever the others compute is overwritten by rank 0's weights anyway. Checked over
     # every mesh dimension: hsdp replicas that built the model differently would train from
-    # different weights.
+    # different weights. Under tensor parallelism, over the whole mesh (dp dims..., tp): the
+    # ranks of a tp group compute blocks of the same full tensors.
     mesh_groups: list[Any] = []
-    if core.is_sharded and pg.world_size > 1 and not cfg.sync_module_states:
-        mesh = live.mesh
+    tp_mesh = live.world_mesh
+    talk = tp_mesh is not None or (core.is_sharded and pg.world_size > 1)
+    if talk and not cfg.sync_module_states:
+        mesh = tp_mesh if tp_mesh is not None else live.mesh
         mesh_groups = (
             [mesh.get_group(d) for d in range(mesh.ndim)]
             if mesh is not None

@@ -14,7 +14,6 @@ from torch import nn
 
 from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
-from fprep.errors import ConfigError
 from fprep.state import PrepState, need
 from fprep.tp_styles import STYLES, Style
 
@@ -44,14 +43,6 @@ def parallelize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         return skipped(state, model)
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if state.tree.is_meta:  # refused before any change to the model
-        raise ConfigError(
-            f"PrepConfig.tp={tps.size}: the model has tensors on the meta device; meta-device "
-            "initialization under tensor parallelism is not supported yet.",
-            subject="tp",
-            hint="Build the model with real weights (on CPU) before prepare, or plan only "
-            "(fprep.plan works on meta models).",
-        )
     plan = {
         fqn: torch_style(STYLES[name])
         for fqn, name in tps.modules

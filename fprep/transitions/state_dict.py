@@ -15,6 +15,7 @@ from __future__ import annotations
 from fprep.errors import ConfigError
 from fprep.state import PrepState, StateDictState, need
 from fprep.transitions._base import transition
+from fprep.weights.blocks import tp_weights
 from fprep.weights.plan import plan_weights
 from fprep.weights.records import WeightsPlan
 
@@ -31,14 +32,19 @@ def _weights(state: PrepState, sharded: bool) -> WeightsPlan | None:
         )
     pg = need(state.process_group, "init_process_group", "init_state_dict")
     ignored = need(state.ignored, "init_ignored", "init_state_dict")
-    return plan_weights(
+    shard = (pg.shard_size, pg.shard_rank) if sharded else None
+    plan = plan_weights(
         state.tree,
         snapshot,
         extra_keys=cfg.weights_extra_keys,
         missing_keys=cfg.weights_missing_keys,
         whole=ignored.params,
-        shard=(pg.shard_size, pg.shard_rank) if sharded else None,
+        shard=shard,
     )
+    tps = state.extension.tensor_parallel if state.extension is not None else None
+    if tps is None:
+        return plan
+    return tp_weights(plan, snapshot, dict(tps.params), tps.size, tps.rank, shard)
 
 
 @transition
