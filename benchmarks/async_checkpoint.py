@@ -14,7 +14,7 @@ order (the same on both ranks):
 * ``fprep async``: ``handle = fprep.save(..., wait=False)``, then ``handle.wait()`` at once.
 * ``fprep async+step``: the same with one training step between the call and ``wait`` (the
   step never waits for the background: every tensor was copied before ``save`` returned, into
-  host buffers reused from save to save; ``fprep/checkpoint/staging.py``).
+  host buffers reused from save to save; ``fprep/checkpoint/asynchronous/staging.py``).
 * ``dcp.async_save`` and ``dcp.async_save+step``: ``get_state_dict`` + ``dcp.async_save`` (its
   default stager: every tensor copied before it returns; files fsynced; a gloo group of its
   own, as torchtitan gives it), then
@@ -125,7 +125,7 @@ def measure(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from fprep.checkpoint import background
+    from fprep.checkpoint.asynchronous import background
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -260,7 +260,9 @@ def end_training(state: PrepState) -> bool:
     groups); its failure, if nobody collected it, is raised here and nothing is destroyed (call
     ``end_training`` again).
     """
-    background = sys.modules.get("fprep.checkpoint.background")  # only if a save ever ran
+    background = sys.modules.get(
+        "fprep.checkpoint.asynchronous.background"
+    )  # only if a save ever ran
     if background is not None:
         background.settle()
     handles = handles_of(state)

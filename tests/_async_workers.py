@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fprep
-from fprep.checkpoint import staging
-from fprep.checkpoint.storage import SafeWriter
+from fprep.checkpoint.asynchronous import staging
+from fprep.checkpoint.format.storage import SafeWriter
 
 
 def same_full(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -206,8 +206,9 @@ def manifest_data(directory: Path) -> Any:
 def write_manifest_bytes(directory: Path, body: bytes) -> None:
     """What a forger who knows the format writes: ``body`` as the manifest, sealed when it is
     of the sealed version, and ``latest`` pointing at it again when it named this directory."""
-    from fprep.checkpoint import layout, manifest
-    from fprep.checkpoint.files import digest_of
+    from fprep.checkpoint.format import manifest
+    from fprep.checkpoint.format.files import digest_of
+    from fprep.checkpoint.stores import layout
 
     sealed = b'"version":1' not in body and b'"version":2' not in body
     data = manifest.seal(body) if sealed else body
@@ -353,7 +354,7 @@ class Terminal(io.StringIO):
 def progress_text(base: Path) -> str:
     """What a load and a save draw on this rank's stderr when it is a terminal and every piece
     of work counts as slow."""
-    from fprep.checkpoint import storage
+    from fprep.checkpoint.format import storage
 
     state, model, opt, _, _ = prepared("fsdp", seed=11)
     terminal, stderr, after_s = Terminal(), sys.stderr, storage.PROGRESS_AFTER_S
@@ -482,7 +483,8 @@ import os, random, sys, time
 import torch
 from torch import nn
 import fprep
-import fprep.checkpoint.background, fprep.checkpoint.reading  # imports DCP: not in the window
+import fprep.checkpoint.asynchronous.background  # imports DCP: not in the window
+import fprep.checkpoint.reading
 import fprep.checkpoint.writing
 
 root, start, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

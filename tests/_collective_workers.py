@@ -211,7 +211,7 @@ def plans_differ_then_alike_then_succeed(root: str) -> dict[str, Any]:
 def killed_mid_save(root: str, victim: int) -> dict[str, Any]:
     """Rank ``victim`` is killed (SIGKILL) while writing its shards; the other must not wait
     for it (rank 0 hosts the store: the survivor then cannot even reach it)."""
-    from fprep.checkpoint import storage
+    from fprep.checkpoint.format import storage
 
     state, model = _prepared()
     if int(os.environ["RANK"]) == victim:
@@ -278,7 +278,7 @@ def save_after_peer_ended(root: str) -> dict[str, Any]:
 def store_host_frozen(root: str, where: str) -> dict[str, Any]:
     """Rank 0 (the store's host) stops itself (SIGSTOP) in ``prepare``'s plan agreement or
     while writing its shards in ``save``; rank 1 must not wait for it without end."""
-    from fprep.checkpoint import storage
+    from fprep.checkpoint.format import storage
 
     def freeze(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGSTOP)

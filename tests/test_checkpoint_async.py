@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 import fprep
-from fprep.checkpoint import SaveHandle, files, staging
-from fprep.checkpoint.storage import SafeWriter
+from fprep.checkpoint import SaveHandle
+from fprep.checkpoint.asynchronous import staging
+from fprep.checkpoint.format import files
+from fprep.checkpoint.format.storage import SafeWriter
 from fprep.errors import CheckpointError
 from fprep.testing.distributed import run_ranks
 
@@ -280,7 +282,7 @@ EXITING = textwrap.dedent(
     import sys
     from torch import nn
     import fprep
-    from fprep.checkpoint.storage import SafeWriter
+    from fprep.checkpoint.format.storage import SafeWriter
 
     root, fail = sys.argv[1], sys.argv[2] == "fail"
     if fail:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fprep
-from fprep.checkpoint.storage import SafeWriter
+from fprep.checkpoint.format.storage import SafeWriter
 from fprep.errors import CheckpointError
 
 
@@ -68,7 +68,7 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from fprep.checkpoint.lock import lock_root
+    from fprep.checkpoint.stores.lock import lock_root
 
     root = Path(sys.argv[1])
     lock_root(root)
@@ -131,7 +131,7 @@ SLOW_SAVER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, sys.argv[2])
     import fprep
-    from fprep.checkpoint import storage
+    from fprep.checkpoint.format import storage
     import _checkpoint_workers as W
 
     real = storage.SafeWriter._write

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import fprep
-from fprep.checkpoint import layout
-from fprep.checkpoint.fsspec_store import FsspecStore
+from fprep.checkpoint.stores import layout
+from fprep.checkpoint.stores.fsspec_store import FsspecStore
 from fprep.errors import CheckpointError
 from fprep.testing.distributed import run_ranks
 
@@ -250,7 +250,7 @@ def test_export_full_to_a_url_is_plain_safetensors_and_appears_whole(
 ) -> None:
     from safetensors.torch import load as load_bytes
 
-    from fprep.checkpoint import sink
+    from fprep.checkpoint.stores import sink
 
     state, model, *_ = trained()
     target = f"{url}/export/model.safetensors"
@@ -358,7 +358,7 @@ def test_a_file_missing_at_publish_is_refused_and_latest_stays(
 def private_storage(kind: str, root: str) -> dict[str, Any]:
     """2 ranks, each saving to storage the other cannot see: ``memory://`` is per process, and
     ``local`` gives rank 1 a directory of its own behind the same path (a node-local disk)."""
-    from fprep.checkpoint import backend
+    from fprep.checkpoint.stores import backend
 
     if kind == "local" and os.environ["RANK"] == "1":
         own = Path(root).with_name("rank1-disk")

@@ -1,5 +1,6 @@
 """What makes an asynchronous save sound (issue 18): ``staging.py`` copies every tensor before
-``save`` returns, and ``guard.py`` reads back each file written before anything is published.
+``save`` returns, and ``asynchronous/verify.py`` reads back each file written before anything is
+published.
 
 (Until issue 18 this file tested the live-read guard: tensors owned by the optimizers passed to
 ``save`` were read live in the background, their next ``step()`` copied what was left, and
@@ -28,12 +29,12 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fprep
-from fprep.checkpoint import layout
-from fprep.checkpoint.backend import LocalStore
-from fprep.checkpoint.files import record_of
-from fprep.checkpoint.guard import verify_written
-from fprep.checkpoint.staging import Stager
-from fprep.checkpoint.storage import SafeWriter
+from fprep.checkpoint.asynchronous.staging import Stager
+from fprep.checkpoint.asynchronous.verify import verify_written
+from fprep.checkpoint.format.files import record_of
+from fprep.checkpoint.format.storage import SafeWriter
+from fprep.checkpoint.stores import layout
+from fprep.checkpoint.stores.backend import LocalStore
 from fprep.errors import CheckpointError
 from fprep.testing.distributed import fake_world
 

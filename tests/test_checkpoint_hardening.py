@@ -25,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fprep
-from fprep.checkpoint import files
-from fprep.checkpoint import metadata as md_json
+from fprep.checkpoint.format import files
+from fprep.checkpoint.format import metadata as md_json
 from fprep.errors import CheckpointError
 
 

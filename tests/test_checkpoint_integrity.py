@@ -23,10 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fprep
-from fprep.checkpoint import layout, manifest, reading
-from fprep.checkpoint import metadata as md_json
-from fprep.checkpoint.backend import LocalStep
-from fprep.checkpoint.files import check_bytes, digest_of, dump_json, parse_json
+from fprep.checkpoint import reading
+from fprep.checkpoint.format import manifest
+from fprep.checkpoint.format import metadata as md_json
+from fprep.checkpoint.format.files import check_bytes, digest_of, dump_json, parse_json
+from fprep.checkpoint.stores import layout
+from fprep.checkpoint.stores.backend import LocalStep
 from fprep.errors import CheckpointError
 
 

@@ -45,8 +45,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fprep
-from fprep.checkpoint import LoadedInfo, files, layout, manifest, storage
-from fprep.checkpoint.storage import SafeWriter
+from fprep.checkpoint import LoadedInfo
+from fprep.checkpoint.format import files, manifest, storage
+from fprep.checkpoint.format.storage import SafeWriter
+from fprep.checkpoint.stores import layout
 from fprep.errors import CheckpointError, PrepError
 
 

@@ -16,7 +16,7 @@ from _lanes import DeferredLane
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fprep.checkpoint.staging import Stager
+from fprep.checkpoint.asynchronous.staging import Stager
 from fprep.devices import Lane
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from fprep.apply.init_jobs import local_of
 from fprep.apply.steps import skipped, step
 from fprep.checkpoint.collective import Group
-from fprep.checkpoint.files import read_failure
+from fprep.checkpoint.format.files import read_failure
 from fprep.devices import Lane
 from fprep.errors import CheckpointError, PrepareError
 from fprep.progress import Progress

@@ -4,18 +4,16 @@
   rank writes its shards; loading reads each rank's part of any layout, so a checkpoint moves
   between world sizes and strategies), plus scheduler state, data-loader position, per-rank RNG
   states, the step and JSON extras in a JSON manifest.
-* ``save(..., wait=False)``: an asynchronous save (``background``: every tensor copied into
-  host memory by ``staging`` before it returns, written, read back and checked by ``guard``,
-  and published on a thread); returns a ``SaveHandle``.
+* ``save(..., wait=False)``: an asynchronous save (``asynchronous``: every tensor copied into
+  host memory before it returns, written, read back and checked, and published on a thread);
+  returns a ``SaveHandle``.
 * ``export_full``: one safetensors file with the full model, streamed one tensor at a time.
 
-Modules, one job each: ``writing`` (save), ``reading`` (load), ``export``, ``layout``
-(directories, ``latest``, publishing, rotation), ``storage`` (DCP writer and reader: raw bytes,
-BLAKE3 digests), ``metadata`` (DCP metadata as JSON), ``manifest``, ``encoding`` (nested state as
-JSON), ``states`` (flat tensor dicts), ``validate``, ``rng``, ``collective``, ``files``, ``info``;
-for asynchronous saves ``background`` (the thread, ``SaveHandle``), ``staging`` (host buffers)
-and ``guard`` (written files read back and checked before publishing); for URLs ``backend`` and
-``fsspec_store``.
+Here: ``writing`` (save), ``reading`` (load), ``export``, ``states`` (flat tensor dicts),
+``validate``, ``optim_fit``, ``rng``, ``collective``, ``info``. Three rooms below:
+``format`` (raw tensor bytes and DCP metadata as JSON, the manifest, nested state as JSON, file
+digests), ``stores`` (a local root or an fsspec URL: step directories, ``latest``, publishing,
+the lock) and ``asynchronous`` (staging, the background thread, verification before publish).
 See docs/checkpoints.md.
 
 Each public function runs inside ``fprep.collectives.collective``: called on some ranks only,
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fprep.checkpoint.background import SaveHandle
+    from fprep.checkpoint.asynchronous.background import SaveHandle
     from fprep.state import PrepState
 
 
@@ -102,7 +100,7 @@ def save(
     publishing go on in the background (``handle.wait()`` returns the step directory or raises
     the failure). The next save, a load, or the process's exit wait for it first.
     """
-    from fprep.checkpoint import background
+    from fprep.checkpoint.asynchronous import background
 
     if not isinstance(wait, bool):
         raise CheckpointError(f"wait must be True or False; got {wait!r}.", subject="wait")
@@ -144,7 +142,7 @@ def load(
     ``verify_hashes=False`` skips the digests of the tensor files (for storage you trust);
     sizes, structure and metadata are still checked, and nothing is ever unpickled.
     """
-    from fprep.checkpoint import background
+    from fprep.checkpoint.asynchronous import background
     from fprep.checkpoint.reading import load as _load
 
     background.settle()  # a save in flight is published (or its failure raised) first
@@ -176,7 +174,7 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
 
 def __getattr__(name: str) -> Any:
     if name == "SaveHandle":  # imported on first use, like the functions' implementations
-        from fprep.checkpoint.background import SaveHandle
+        from fprep.checkpoint.asynchronous.background import SaveHandle
 
         return SaveHandle
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

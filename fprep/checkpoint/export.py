@@ -30,12 +30,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fprep.checkpoint.backend import is_url
 from fprep.checkpoint.collective import Group
-from fprep.checkpoint.files import os_failure
-from fprep.checkpoint.sink import Sink, open_sink
+from fprep.checkpoint.format.files import os_failure
+from fprep.checkpoint.format.storage import byte_view, progress
 from fprep.checkpoint.states import buffer_dtypes
-from fprep.checkpoint.storage import byte_view, progress
+from fprep.checkpoint.stores.backend import is_url
+from fprep.checkpoint.stores.sink import Sink, open_sink
 from fprep.errors import CheckpointError
 from fprep.state import PrepState
 from fprep.unwrap import _original_class as original_class  # FSDP<Class> -> Class
@@ -367,7 +367,7 @@ def _refuse_shadowing(directory: Path | str) -> None:
         if isinstance(target, Path):
             exists = target.exists()
         else:
-            from fprep.checkpoint.fsspec_store import file_system
+            from fprep.checkpoint.stores.fsspec_store import file_system
 
             fs, where = file_system(target)
             exists = bool(fs.exists(where))

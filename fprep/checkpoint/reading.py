@@ -42,14 +42,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from fprep.checkpoint import layout, optim_fit, rng, validate
-from fprep.checkpoint import metadata as md_json
-from fprep.checkpoint.backend import StepFiles, open_store
+from fprep.checkpoint import optim_fit, rng, validate
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
-from fprep.checkpoint.encoding import decode, encode, tensor_keys
-from fprep.checkpoint.files import parse_json, read_failure
+from fprep.checkpoint.format import metadata as md_json
+from fprep.checkpoint.format.encoding import decode, encode, tensor_keys
+from fprep.checkpoint.format.files import parse_json, read_failure
+from fprep.checkpoint.format.manifest import Manifest, parse
 from fprep.checkpoint.info import LoadedInfo
-from fprep.checkpoint.manifest import Manifest, parse
 from fprep.checkpoint.states import (
     MODEL,
     class_name,
@@ -58,6 +57,8 @@ from fprep.checkpoint.states import (
     model_tensors,
     optimizer_prefix,
 )
+from fprep.checkpoint.stores import layout
+from fprep.checkpoint.stores.backend import StepFiles, open_store
 from fprep.checkpoint.writing import as_optimizers, check_stateful
 from fprep.errors import CheckpointError
 from fprep.state import PrepState, need

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from fprep.checkpoint.encoding import encode
-from fprep.checkpoint.manifest import OptimizerRecord
+from fprep.checkpoint.format.encoding import encode
+from fprep.checkpoint.format.manifest import OptimizerRecord
 from fprep.errors import CheckpointError
 from fprep.optim import canonical_names
 from fprep.state import PrepState

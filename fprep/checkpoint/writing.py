@@ -15,9 +15,9 @@ Order of work (every rank, collectives in the same order):
 Steps 1-2 are ``collect`` (the foreground of an asynchronous save: ``background.py`` stages the
 tensors in host memory there), steps 3-5 ``write_and_publish`` (its background thread, on a
 process group of its own, with one more check between 3 and 4: each rank reads back the files it
-wrote and checks their digests, ``guard.py``); a synchronous ``save`` runs both in turn. The
-root's lock is taken in ``collect`` and released when ``write_and_publish`` ends, so it spans the
-whole save.
+wrote and checks their digests, ``asynchronous.verify``); a synchronous ``save`` runs both in
+turn. The root's lock is taken in ``collect`` and released when ``write_and_publish`` ends, so
+it spans the whole save.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fprep.checkpoint import rng
-from fprep.checkpoint.backend import Releasable, Store, open_store
+from fprep.checkpoint.asynchronous.verify import verify_written
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
-from fprep.checkpoint.encoding import encode
-from fprep.checkpoint.files import FileRecord
-from fprep.checkpoint.guard import verify_written
-from fprep.checkpoint.manifest import Manifest, RankRecord
+from fprep.checkpoint.format.encoding import encode
+from fprep.checkpoint.format.files import FileRecord
+from fprep.checkpoint.format.manifest import Manifest, RankRecord
 from fprep.checkpoint.states import model_tensors, split_optimizers
+from fprep.checkpoint.stores.backend import Releasable, Store, open_store
 from fprep.errors import CheckpointError, PrepError
 from fprep.state import PrepState, need
 
@@ -198,7 +198,7 @@ def write_and_publish(
     publish; release the lock. Every collective runs on ``group`` (and DCP's on
     ``process_group``, None for the default group). ``progress``: rank 0 may draw a progress
     line. ``verify``: every rank reads back its files and checks their digests before
-    anything is published (``guard.py``; asynchronous saves)."""
+    anything is published (``asynchronous/verify.py``; asynchronous saves)."""
     try:
         _write_tensors(collected, group, process_group=process_group, progress=progress)
         if verify:

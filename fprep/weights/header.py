@@ -16,7 +16,7 @@ import itertools
 import os
 from typing import Any
 
-from fprep.checkpoint.files import parse_json, read_failure
+from fprep.checkpoint.format.files import parse_json, read_failure
 from fprep.errors import CheckpointError
 from fprep.weights.identity import digest, open_regular
 from fprep.weights.records import SAFETENSORS_DTYPES, WeightsFile, WeightsTensor

@@ -23,7 +23,7 @@ import hashlib
 import os
 import stat
 
-from fprep.checkpoint.files import OPEN_FLAGS
+from fprep.checkpoint.format.files import OPEN_FLAGS
 from fprep.errors import CheckpointError
 from fprep.weights.records import WeightsFile
 

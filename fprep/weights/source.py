@@ -18,7 +18,7 @@ import re
 import stat
 from pathlib import Path, PurePosixPath
 
-from fprep.checkpoint.files import parse_json, read_failure
+from fprep.checkpoint.format.files import parse_json, read_failure
 from fprep.errors import CheckpointError, ConfigError, PrepError
 from fprep.weights.header import read_header
 from fprep.weights.identity import kind_of, open_regular

@@ -59,8 +59,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from fprep.checkpoint import metadata as md_json
-from fprep.checkpoint.files import (
+from fprep.checkpoint.format import metadata as md_json
+from fprep.checkpoint.format.files import (
     ALGORITHM,
     FileRecord,
     check_digest,
@@ -571,7 +571,7 @@ class SafeReader(StorageReader):
 
     def check_files(self, names: list[str]) -> None:
         """Open and check ``names`` (in parallel), then close them: the files a save wrote, read
-        back before it publishes (``guard.py``)."""
+        back before it publishes (``asynchronous/verify.py``)."""
         try:
             opened = self._open_all(names)
         except OSError as e:

@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fprep.checkpoint.files import ALGORITHMS, FileRecord, digest_of, dump_json, parse_json
-from fprep.checkpoint.metadata import DATA_FILE, METADATA_FILE
+from fprep.checkpoint.format.files import ALGORITHMS, FileRecord, digest_of, dump_json, parse_json
+from fprep.checkpoint.format.metadata import DATA_FILE, METADATA_FILE
 from fprep.errors import CheckpointError
 
 FORMAT = "fprep-checkpoint"

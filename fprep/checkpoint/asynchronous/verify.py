@@ -24,8 +24,8 @@ from collections.abc import Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from fprep.checkpoint.backend import Store
-from fprep.checkpoint.files import FileRecord
+from fprep.checkpoint.format.files import FileRecord
+from fprep.checkpoint.stores.backend import Store
 from fprep.errors import CheckpointError
 
 

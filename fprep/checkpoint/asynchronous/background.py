@@ -7,8 +7,8 @@ ranks agreed that all of it worked. Training may go on the moment ``save`` retur
 reads nothing live, so nothing done to the live tensors afterwards (by any code, on any thread)
 reaches the checkpoint. It then runs ``writing.write_and_publish``: DCP's planning, the writes
 and BLAKE3 digests (taken from the bytes written), each rank's files read back and checked
-(``guard.py``), the gather of file records to rank 0, the manifest, the atomic publish (the same
-code, and so the same guarantees, as a synchronous save).
+(``verify``), the gather of file records to rank 0, the manifest, the atomic publish (the
+same code, and so the same guarantees, as a synchronous save).
 
 Collectives. Those steps need collectives (DCP's plan exchange, the gather of file records,
 the agreement on failures), and gloo runs one collective at a time per group, in the order the
@@ -50,7 +50,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from fprep.checkpoint import staging
+from fprep.checkpoint.asynchronous import staging
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.writing import SaveArgs, collect, write_and_publish
 from fprep.collectives import PROBE_S, _first_line, is_collective_failure, probe

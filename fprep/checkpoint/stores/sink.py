@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from fprep.checkpoint.backend import is_url
-from fprep.checkpoint.files import fsync_dir
+from fprep.checkpoint.format.files import fsync_dir
+from fprep.checkpoint.stores.backend import is_url
 from fprep.errors import CheckpointError
 
 
@@ -73,7 +73,7 @@ class LocalSink:
 
 class UrlSink:
     def __init__(self, url: str) -> None:
-        from fprep.checkpoint.fsspec_store import file_system
+        from fprep.checkpoint.stores.fsspec_store import file_system
 
         self.target: Path | str = url
         self._fs, self._path = file_system(url)

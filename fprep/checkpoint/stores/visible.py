@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from fprep.checkpoint.files import FileRecord
-from fprep.checkpoint.manifest import parse
+from fprep.checkpoint.format.files import FileRecord
+from fprep.checkpoint.format.manifest import parse
 from fprep.errors import CheckpointError
 
 #: DCP's data files carry the rank that wrote them: ``__<rank>_<n>.distcp``

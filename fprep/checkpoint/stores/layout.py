@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from fprep.checkpoint.files import fsync_dir, read_small
+from fprep.checkpoint.format.files import fsync_dir, read_small
 from fprep.errors import CheckpointError
 
 LATEST = "latest"

@@ -31,8 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from fprep.checkpoint import layout
-from fprep.checkpoint.files import (
+from fprep.checkpoint.format.files import (
     MAX_UNVERIFIED_JSON,
     FileRecord,
     check_bytes,
@@ -41,13 +40,14 @@ from fprep.checkpoint.files import (
     digest_of,
     record_of,
 )
-from fprep.checkpoint.storage import SafeReader, SafeWriter, Source
-from fprep.checkpoint.visible import check_visible
+from fprep.checkpoint.format.storage import SafeReader, SafeWriter, Source
+from fprep.checkpoint.stores import layout
+from fprep.checkpoint.stores.visible import check_visible
 from fprep.errors import CheckpointError
 from fprep.progress import Progress
 
 if TYPE_CHECKING:  # backend.open_store imports this module: types only, no import back
-    from fprep.checkpoint.backend import Releasable, StepFiles
+    from fprep.checkpoint.stores.backend import Releasable, StepFiles
 
 
 def check_url(url: str) -> None:

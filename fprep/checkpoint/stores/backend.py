@@ -25,11 +25,12 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from fprep.checkpoint import files, layout
-from fprep.checkpoint.files import FileRecord
-from fprep.checkpoint.lock import lock_root
-from fprep.checkpoint.storage import SafeReader, SafeWriter
-from fprep.checkpoint.visible import check_visible
+from fprep.checkpoint.format import files
+from fprep.checkpoint.format.files import FileRecord
+from fprep.checkpoint.format.storage import SafeReader, SafeWriter
+from fprep.checkpoint.stores import layout
+from fprep.checkpoint.stores.lock import lock_root
+from fprep.checkpoint.stores.visible import check_visible
 
 #: ``scheme://``, or fsspec's chained ``scheme::``: what makes a path a URL (a local path never
 #: starts so; ``C:`` has no ``//``). Chained URLs are URLs too, so that they are refused as such
@@ -194,7 +195,7 @@ def _listing(directory: Path) -> dict[str, int] | None:
 def open_store(path: str | os.PathLike[str]) -> Store:
     """The store for ``path``: a URL's fsspec file system, else the local one."""
     if is_url(path):
-        from fprep.checkpoint.fsspec_store import FsspecStore
+        from fprep.checkpoint.stores.fsspec_store import FsspecStore
 
         return FsspecStore.open(str(path))
     return LocalStore(path)
