@@ -122,14 +122,22 @@ def test_fp8_under_tp_is_refused() -> None:
     assert "Float8ColwiseParallel" in error.message
 
 
-def test_regional_compile_under_tp_is_refused_naming_torch() -> None:
-    """Regional compile over TP DTensors breaks backward inside torch (see the message)."""
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"compile": "regional", "wrap": "LlamaBlock"},
+        {"compile": "whole", "activation_checkpointing": True, "wrap": "LlamaBlock"},
+    ],
+)
+def test_compilations_failing_in_torch_are_refused_naming_torch(fields: dict[str, Any]) -> None:
+    """Regional compile over TP DTensors breaks backward, whole compile of checkpointed blocks
+    mixes fake modes, inside torch (found by running them): refused, naming torch's version."""
     import torch
 
-    cfg = PrepConfig(strategy="fsdp", tp=2, compile="regional", wrap="LlamaBlock")
-    error = refusal(llama_tiny("meta"), cfg)
+    error = refusal(llama_tiny("meta"), PrepConfig(strategy="fsdp", tp=2, **fields))
     assert isinstance(error, ConfigError) and error.subject == "compile"
-    assert f"torch {torch.__version__}" in error.message and "compile='whole'" in error.hint
+    assert f"torch {torch.__version__}" in error.message and "compile=" in error.hint
+    fprep.plan(llama_tiny("meta"), PrepConfig(**fields), Topology(world_size=4)).unwrap()  # tp=1
 
 
 # -- training at 4 ranks (gloo): every feature on dp 2 x tp 2, sequence parallelism -----------

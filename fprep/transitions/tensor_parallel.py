@@ -123,6 +123,31 @@ def _params(
     return tuple(out)
 
 
+def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
+    """Compilations that fail inside torch over tensor-parallel DTensors (4 gloo ranks, CPU;
+    tests/test_tp_composition.py): refused before any effect, naming the torch version."""
+    from torch import __version__ as torch_version
+
+    if compile_mode == "regional":
+        raise ConfigError(
+            f"compile='regional' with tp={tp} fails inside torch {torch_version}: compiling "
+            "each block over tensor-parallel DTensors breaks its backward (without "
+            "data parallelism DTensor's redistribute raises; under FSDP2 the gradients "
+            "differ from the eager ones).",
+            subject="compile",
+            hint="Use compile='whole' (tested equal to eager under tp), or compile='none'.",
+        )
+    if compile_mode == "whole" and checkpointing:
+        raise ConfigError(
+            f"compile='whole' with activation_checkpointing and tp={tp} fails inside torch "
+            f"{torch_version}: tracing the checkpointed blocks over tensor-parallel DTensors "
+            "mixes two fake tensor modes.",
+            subject="compile",
+            hint="Drop one of them: compile='whole' without checkpointing, or checkpointing "
+            "without compile (both tested equal to eager under tp).",
+        )
+
+
 def plan_tensor_parallel(
     state: PrepState, pg: ProcessGroupState, ignored: IgnoredState
 ) -> TensorParallelState | None:
@@ -138,17 +163,7 @@ def plan_tensor_parallel(
             subject="precision",
             hint="Use precision='bf16' under tensor parallelism, or fp8 with tp=1.",
         )
-    if cfg.compile == "regional":
-        from torch import __version__ as torch_version
-
-        raise ConfigError(
-            f"compile='regional' with tp={tp} fails inside torch {torch_version}: compiling "
-            "each block over tensor-parallel DTensors breaks its backward (without "
-            "data parallelism DTensor's redistribute raises; under FSDP2 the gradients "
-            "differ from the eager ones).",
-            subject="compile",
-            hint="Use compile='whole' (tested equal to eager under tp), or compile='none'.",
-        )
+    _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
     modules = match_modules(tree, pairs)
     if cfg.sequence_parallel:
