@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import _tp_workers as W
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,10 +20,7 @@ import fprep
 from fprep.testing.models import Llama, LlamaBlock, LlamaConfig, llama
 
 SEED = 7
-STEPS = 3
-GLOBAL_BATCH = 4
-SEQ = 8
-VOCAB = 64
+STEPS, GLOBAL_BATCH, VOCAB = W.STEPS, W.GLOBAL_BATCH, W.VOCAB  # W.batches() feeds both
 
 #: Llama's own plan with the output head kept vocabulary-sharded (loss parallel).
 LOSS_PARALLEL_PLAN = {**Llama._tp_plan, "output": "colwise_loss_parallel"}
@@ -45,6 +43,11 @@ CASES: dict[str, tuple[dict[str, Any], tuple[str, ...], float]] = {
         1e-5,
     ),
     "loss_parallel": ({"tp_plan": LOSS_PARALLEL_PLAN}, (), 1e-5),
+    "loss_parallel_sequence": (
+        {"tp_plan": LOSS_PARALLEL_PLAN, "sequence_parallel": True, "wrap": LlamaBlock},
+        (),
+        1e-5,
+    ),
     "bf16_compiled": (
         {"precision": "bf16", "compile": "whole", "compile_backend": "aot_eager"},
         (),
@@ -61,15 +64,6 @@ def build(frozen: tuple[str, ...]) -> nn.Module:
     return model
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
-
-
 def train(fields: dict[str, Any], frozen: tuple[str, ...], layout: dict[str, Any]) -> list[float]:
     """Per-step losses of this rank's data-parallel slice, prepared with ``fields`` + ``layout``."""
     torch._dynamo.reset()  # cases share a process: no compiled code (or fake mode) carries over
@@ -83,7 +77,7 @@ def train(fields: dict[str, Any], frozen: tuple[str, ...], layout: dict[str, Any
     per = GLOBAL_BATCH // dp
     mine = slice(dp_rank * per, (dp_rank + 1) * per)
     losses = []
-    for x, y in batches():
+    for x, y in W.batches():
         with fprep.loss_parallel(state):
             logits = model(x[mine])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y[mine].flatten())
@@ -103,5 +97,6 @@ def four_ranks(cases: tuple[str, ...] = tuple(CASES)) -> dict[str, list[float]]:
 def reference(name: str) -> list[float]:
     fields, frozen, _ = CASES[name]
     # one process: no plan, nothing ignored, nothing to offload (offload needs fsdp)
-    one = {k: v for k, v in fields.items() if k not in ("tp_plan", "ignored_modules", "offload")}
+    dropped = ("tp_plan", "sequence_parallel", "ignored_modules", "offload")
+    one = {k: v for k, v in fields.items() if k not in dropped}
     return train(one, frozen, {"strategy": "none"})
