@@ -89,6 +89,10 @@ def mlp_blocks() -> nn.Module:
         ({"block.down": "rowwise", "head": "colwise_gather_output"}, "no 'colwise' layers"),
         (
             {"block": "colwise_rep", "block.up": "colwise", "head": "colwise_gather_output"},
+            "holds colwise layers",
+        ),
+        (
+            {"emb": "embedding_colwise", "block.up": "colwise", "head": "colwise_gather_output"},
             "cannot place",
         ),
     ],

@@ -26,7 +26,7 @@ from fprep.tp_styles import SEQUENCE_VARIANTS, STYLES
 #: styles a sequence-parallel layout can hold, beside the ones it adds
 _IN_REGION = ("colwise", "rowwise")
 _OUTSIDE = ("embedding_rowwise", "colwise_rep", "colwise_gather_output", "colwise_loss_parallel")
-_KEPT = ("replicate", "sequence_parallel", *SEQUENCE_VARIANTS.values())
+_KEPT = ("replicate", "sequence_parallel", "sequence_scatter", *SEQUENCE_VARIANTS.values())
 
 
 def _refuse(message: str, hint: str) -> ConfigError:
@@ -61,7 +61,7 @@ def plan_sequence_parallel(
     out = dict(styles)
     for fqn, name in modules:
         inside = any(parent_fqn(fqn) == r for r in regions)
-        if name in _KEPT or (name in _IN_REGION and inside):
+        if name in _KEPT or (name in _IN_REGION and inside) or fqn in regions:
             if name == "rowwise":
                 out[fqn] = SEQUENCE_VARIANTS[name]
             continue
@@ -76,7 +76,7 @@ def plan_sequence_parallel(
             "take embedding_rowwise / colwise_gather_output / colwise_loss_parallel.",
         )
     for region in regions:
-        if region in styles:
+        if styles.get(region, "sequence_gather") != "sequence_gather":
             raise _refuse(
                 f"module {region!r} holds colwise layers and has the style {styles[region]!r} "
                 "itself.",
