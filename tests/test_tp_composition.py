@@ -4,6 +4,7 @@ planned layouts, refusals, and training equal to one process at tp 2 and dp 2 x 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import _tp_compose_workers as C
@@ -196,3 +197,15 @@ def test_sequence_parallel_tp2_equals_one_process(
     two_ranks: list[dict[str, Any]], model: str
 ) -> None:
     _equal_to_reference([r[f"{model}/tp2"] for r in two_ranks], model)
+
+
+def test_plan_cli_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    from fprep.cli import main
+
+    argv = ["plan", "fprep.testing.models:llama_tiny", "--world-size", "4", "--tp", "2"]
+    assert main([*argv, "--sequence-parallel", "--json"]) == 0
+    with_sp = json.loads(capsys.readouterr().out)["memory_bytes"]["params"]
+    assert main([*argv, "--json"]) == 0
+    assert with_sp == json.loads(capsys.readouterr().out)["memory_bytes"]["params"]
+    assert main([*argv[:-1], "1", "--sequence-parallel"]) == 2  # tp=1: a ConfigError
+    assert "sequence_parallel" in capsys.readouterr().err
