@@ -150,6 +150,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         wrap=wrap or None,
         sharding=args.sharding,
         tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
         hsdp_shard_size=args.hsdp_shard_size,
     )
     topo = Topology(
@@ -292,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="tensor-parallel ranks (the innermost mesh dim; the model's own plan): the "
         "strategy shards or replicates over world-size / tp ranks (default 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: shard the norms' activations on the sequence (torchtitan's layout)",
     )
     p.add_argument(
         "--hsdp-shard-size",

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeAlias, get_args
 from torch import nn
 
 from fprep.errors import ConfigError
-from fprep.migrate import accelerate_fields
+from fprep.migrate import accelerate_fields, parallelism_fields
 from fprep.snapshot import ModuleInfo
 
 Strategy = Literal["auto", "none", "ddp", "fast_ddp", "fsdp", "hsdp"]
@@ -305,6 +305,9 @@ class PrepConfig:
     tp: int = 1
     #: ``{module pattern: style}``; kept as sorted ``(pattern, style)`` pairs (``tp_plan_pairs``)
     tp_plan: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
+    #: shard the residual stream between blocks on the sequence (norms, dropouts): the plan
+    #: gains torchtitan's sequence-parallel layout (docs/parallelism.md)
+    sequence_parallel: bool = False
     # precision
     precision: Precision = "no"
     reduce_dtype: FloatDType | None = None
@@ -370,6 +373,8 @@ class PrepConfig:
             _check_int(o, "hsdp_shard_size", self.hsdp_shard_size, minimum=1)
         _check_int(o, "tp", self.tp, minimum=1)
         object.__setattr__(self, "tp_plan", _normalize_tp_plan(self.tp_plan))
+        _check_bool(o, "sequence_parallel", self.sequence_parallel)
+        _check_sequence_parallel(self)
         _check_choice(o, "precision", self.precision, Precision)
         if self.reduce_dtype is not None:
             _check_choice(o, "reduce_dtype", self.reduce_dtype, FloatDType)
@@ -459,9 +464,15 @@ class PrepConfig:
         return out
 
     @classmethod
-    def from_accelerate(cls, source: Any, **overrides: Any) -> PrepConfig:
-        """Read an Accelerate config file (YAML / JSON path, or its dict); see docs/migration.md."""
-        return cls(**{**accelerate_fields(source), **overrides})
+    def from_accelerate(
+        cls, source: Any = None, *, parallelism: Any = None, **overrides: Any
+    ) -> PrepConfig:
+        """Read an Accelerate config file (YAML / JSON path, or its dict) and / or an
+        Accelerate ``ParallelismConfig`` (``parallelism``); see docs/migration.md."""
+        fields = {} if source is None else accelerate_fields(source)
+        if parallelism is not None:
+            fields.update(parallelism_fields(parallelism))
+        return cls(**{**fields, **overrides})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrepConfig:
@@ -568,6 +579,27 @@ def _normalize_tp_plan(value: object) -> Any:
         check_style(pattern, style)
         pairs.append((pattern, style))
     return tuple(sorted(pairs))
+
+
+def _check_sequence_parallel(cfg: PrepConfig) -> None:
+    from fprep.tp_styles import SEQUENCE_ONLY
+
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise _fail(
+            "PrepConfig",
+            "sequence_parallel",
+            "is True but tp=1: sequence parallelism shards activations over the tp ranks.",
+            "Set tp > 1, or leave sequence_parallel False.",
+        )
+    named = sorted({s for _, s in cfg.tp_plan_pairs or () if s in SEQUENCE_ONLY})
+    if named and not cfg.sequence_parallel:
+        raise _fail(
+            "PrepConfig",
+            "tp_plan",
+            f"uses {', '.join(repr(s) for s in named)}, which only fit a sequence-parallel "
+            "layout (every norm, dropout and block boundary sharded on the sequence).",
+            "Set sequence_parallel=True (fprep then plans the whole layout), or use 'replicate'.",
+        )
 
 
 def _check_device(device: object) -> None:

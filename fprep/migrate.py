@@ -125,7 +125,66 @@ def accelerate_fields(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
             fields["compile_mode"] = str(dynamo["dynamo_mode"])
     if dist == "FSDP":
         fields.update(_fsdp_fields(data.get("fsdp_config") or {}))
+    section = data.get("parallelism_config")
+    if section:
+        fields.update(parallelism_fields(section, data.get("num_processes")))
     return fields
+
+
+#: Accelerate's ParallelismConfig sizes (the config file prefixes them with
+#: ``parallelism_config_``); cp and sp have no fprep equivalent yet.
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+
+
+def _size(section: Any, name: str) -> int:
+    """One size from an Accelerate ``ParallelismConfig`` object or its config-file section."""
+    if isinstance(section, Mapping):
+        raw = section.get(f"parallelism_config_{name}", section.get(name, 1))
+    else:
+        raw = getattr(section, name, 1)
+    field = f"parallelism_config_{name}"
+    try:
+        value = int(1 if raw is None else raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field} must be an integer; got {raw!r}.", subject=field) from None
+    if value < 1:
+        raise ConfigError(f"{field} must be at least 1; got {value}.", subject=field)
+    return value
+
+
+def parallelism_fields(section: Any, num_processes: Any = None) -> dict[str, Any]:
+    """``PrepConfig`` fields (``strategy``, ``hsdp_shard_size``, ``tp``) from Accelerate's
+    ``ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size, cp_size)`` or the
+    ``parallelism_config`` section of its config file. The mesh is the same: replicate x shard
+    x tp, tp innermost."""
+    rep, shard, tp, cp, sp = (_size(section, n) for n in _SIZES)
+    for name, value, what in (("cp_size", cp, "context"), ("sp_size", sp, "sequence (Ulysses)")):
+        if value > 1:
+            raise ConfigError(
+                f"parallelism_config_{name}={value}: fprep does not support {what} "
+                "parallelism yet.",
+                subject=f"parallelism_config_{name}",
+                hint=f"Set {name} to 1 (use tp_size and the dp sizes), or stay on Accelerate "
+                "for this run.",
+            )
+    total = rep * shard * tp
+    if num_processes is not None and str(num_processes).isdigit() and int(num_processes) != total:
+        raise ConfigError(
+            f"parallelism_config: dp_replicate_size {rep} x dp_shard_size {shard} x tp_size "
+            f"{tp} = {total}, but num_processes is {num_processes}.",
+            subject="parallelism_config",
+            hint="The product of the sizes must be the number of processes.",
+        )
+    out: dict[str, Any] = {"tp": tp}
+    if rep > 1 and (shard > 1 or tp > 1):  # HSDP; shard size 1 under tp replicates over rep
+        out.update(strategy="hsdp", hsdp_shard_size=shard)
+    elif rep > 1:
+        out["strategy"] = "ddp"
+    elif shard > 1:
+        out["strategy"] = "fsdp"
+    elif tp > 1:
+        out["strategy"] = "auto"  # tp is the whole world: no data-parallel ranks
+    return out
 
 
 def _fsdp_fields(fsdp: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,22 +3,25 @@
 The names are transformers' (``config.base_model_tp_plan``, a model class's ``_tp_plan``), so a
 transformers model's own plan is used as it is; a user plan (``PrepConfig.tp_plan``) speaks the
 same words. Each supported style maps to one of torch's ``ParallelStyle`` classes
-(``ColwiseParallel``, ``RowwiseParallel``) with its input / output layouts; packed, mixture-
-of-experts and (for now) sequence-parallel styles are refused by name. ``colwise_loss_parallel``
+(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``) with its input / output
+layouts; packed and mixture-of-experts styles are refused by name. ``colwise_loss_parallel``
 is fprep's own: a column-sharded output head whose logits stay a vocabulary-sharded DTensor for
-``fprep.loss_parallel``. Patterns are module FQNs where ``*``
+``fprep.loss_parallel``. Sequence parallelism (``PrepConfig.sequence_parallel``) adds the
+``*_sequence`` variants (the residual stream around them is sharded on the sequence, dim 1:
+torchtitan's layout) and ``sequence_gather`` / ``sequence_scatter``, which move a module's
+input or output between that stream and whole sequences. Patterns are module FQNs where ``*``
 stands for one dotted segment (``"layers.*.attn.q"``), as transformers matches them.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fprep.errors import ConfigError
 
-Kind = Literal["colwise", "rowwise", "replicate"]
+Kind = Literal["colwise", "rowwise", "replicate", "sequence", "gather", "scatter"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +34,28 @@ class Style:
     output_replicated: bool = False  # True: the output is gathered (all-reduced for rowwise)
     embedding_only: bool = False
     dtensor_output: bool = False  # output kept a DTensor sharded on the vocabulary (loss parallel)
+    #: sequence parallelism: the input (colwise heads) or output (rowwise) is the residual
+    #: stream, a DTensor sharded on the sequence (dim 1)
+    sequence: bool = False
+
+    @property
+    def shards_params(self) -> bool:
+        """Whether the module's parameters become tp DTensors (sharded or replicated)."""
+        return self.kind in ("colwise", "rowwise", "sequence")
+
+
+def _sequence_variant(style: Style) -> Style:
+    return replace(style, name=f"{style.name}_sequence", sequence=True)
+
+
+#: the styles that meet the residual stream, and their sequence-parallel variants
+SEQUENCE_VARIANTS = {
+    "rowwise": "rowwise_sequence",
+    "embedding_rowwise": "embedding_rowwise_sequence",
+    "colwise_rep": "colwise_rep_sequence",
+    "colwise_gather_output": "colwise_gather_output_sequence",
+    "colwise_loss_parallel": "colwise_loss_parallel_sequence",
+}
 
 
 STYLES: dict[str, Style] = {
@@ -50,12 +75,23 @@ STYLES: dict[str, Style] = {
         ),
         Style(name="colwise_loss_parallel", kind="colwise", dtensor_output=True),
         Style(name="replicate", kind="replicate"),
+        # sequence parallelism: norms and dropouts on the sequence-sharded stream
+        # (SequenceParallel), and the modules where whole sequences leave / enter it
+        Style(name="sequence_parallel", kind="sequence"),
+        Style(name="sequence_gather", kind="gather"),
+        Style(name="sequence_scatter", kind="scatter"),
     )
 }
+STYLES.update(
+    {v: _sequence_variant(STYLES[k]) for k, v in SEQUENCE_VARIANTS.items()}  # after STYLES
+)
+#: styles that only make sense inside a sequence-parallel layout (PrepConfig.sequence_parallel)
+SEQUENCE_ONLY = frozenset(
+    {"sequence_parallel", "sequence_gather", "sequence_scatter", *SEQUENCE_VARIANTS.values()}
+)
 
 #: transformers styles fprep does not apply (yet), with the reason given to the user.
 REFUSED: dict[str, str] = {
-    "sequence_parallel": "sequence parallelism (its neighbours' layouts are not planned yet)",
     "packed_colwise": "packed (fused gate/up or qkv) weights",
     "packed_rowwise": "packed (fused) weights",
     "moe_tp_experts": "mixture-of-experts weights",

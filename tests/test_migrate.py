@@ -144,3 +144,93 @@ def test_overrides_and_missing_files(tmp_path: Path) -> None:
             }
         )
     assert info.value.subject == "fsdp_min_num_params"
+
+
+# -- Accelerate's ParallelismConfig -----------------------------------------------------------
+PARALLEL_YAML = """\
+distributed_type: FSDP
+mixed_precision: bf16
+num_processes: 8
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: true
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+  parallelism_config_cp_size: 1
+"""
+
+
+def test_parallelism_section_of_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "tp.yaml"
+    path.write_text(PARALLEL_YAML)
+    cfg = PrepConfig.from_accelerate(path)
+    assert (cfg.strategy, cfg.hsdp_shard_size, cfg.tp, cfg.precision) == ("hsdp", 2, 2, "bf16")
+
+
+class ParallelismConfig:  # the attributes of accelerate.ParallelismConfig (not installed here)
+    def __init__(self, **sizes: int) -> None:
+        self.dp_replicate_size = sizes.get("dp_replicate_size", 1)
+        self.dp_shard_size = sizes.get("dp_shard_size", 1)
+        self.tp_size = sizes.get("tp_size", 1)
+        self.cp_size = sizes.get("cp_size", 1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ({"dp_shard_size": 4, "tp_size": 2}, {"strategy": "fsdp", "tp": 2}),
+        (
+            {"dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 2},
+            {"strategy": "hsdp", "hsdp_shard_size": 4, "tp": 2},
+        ),
+        (
+            {"dp_replicate_size": 2, "tp_size": 2},
+            {"strategy": "hsdp", "hsdp_shard_size": 1, "tp": 2},
+        ),
+        ({"dp_replicate_size": 4}, {"strategy": "ddp"}),
+        ({"tp_size": 4}, {"strategy": "auto", "tp": 4}),
+        ({"dp_shard_size": 8}, {"strategy": "fsdp"}),
+    ],
+)
+def test_parallelism_config_object(sizes: dict[str, int], expected: dict[str, object]) -> None:
+    cfg = PrepConfig.from_accelerate(parallelism=ParallelismConfig(**sizes))
+    assert cfg == PrepConfig(**expected)  # type: ignore[arg-type]
+    # the plan lays it out as Accelerate does: (replicate, shard, tp), tp innermost
+    world = 1
+    for v in sizes.values():
+        world *= v
+    if cfg.tp > 1 and world > cfg.tp:
+        import fprep
+        from fprep.testing.models import llama_tiny
+
+        topo = fprep.Topology(world_size=world, rank=0, local_world_size=min(8, world))
+        state = fprep.plan(llama_tiny("meta"), cfg, topo).unwrap()
+        tps = state.extension.tensor_parallel  # type: ignore[union-attr]
+        assert tps is not None and tps.mesh_shape[-1] == sizes["tp_size"]
+        rep, shard = sizes.get("dp_replicate_size", 1), sizes.get("dp_shard_size", 1)
+        assert tps.mesh_shape == ((rep, shard, cfg.tp) if rep > 1 else (shard, cfg.tp))
+
+
+@pytest.mark.parametrize(
+    ("section", "subject"),
+    [
+        ({"parallelism_config_cp_size": 2}, "parallelism_config_cp_size"),
+        ({"parallelism_config_sp_size": 2}, "parallelism_config_sp_size"),
+        ({"parallelism_config_tp_size": 0}, "parallelism_config_tp_size"),
+        ({"parallelism_config_tp_size": "two"}, "parallelism_config_tp_size"),
+        (
+            {"parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2},
+            "parallelism_config",
+        ),
+    ],
+)
+def test_parallelism_refusals_name_the_field(section: dict[str, object], subject: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig.from_accelerate(
+            {"distributed_type": "FSDP", "num_processes": 8, "parallelism_config": section}
+        )
+    assert info.value.subject == subject
+    if "cp_size" in subject:
+        assert "context parallelism yet" in info.value.message

@@ -96,7 +96,7 @@ def test_config_round_trip_and_styles() -> None:
     with pytest.raises(ConfigError, match="unknown style") as info:
         PrepConfig(tp=2, tp_plan={"a": "colwize"})
     assert "colwise" in info.value.hint
-    with pytest.raises(ConfigError, match="sequence parallelism"):
+    with pytest.raises(ConfigError, match="sequence_parallel=True"):
         PrepConfig(tp=2, tp_plan={"norm": "sequence_parallel"})
     with pytest.raises(ConfigError) as info:
         PrepConfig(tp=0)

@@ -21,17 +21,28 @@ from fprep.tp_styles import STYLES, Style
 def torch_style(style: Style) -> Any:
     """torch's ``ParallelStyle`` for one of fprep's (transformers') style names."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    if style.kind == "sequence":
+        return SequenceParallel(sequence_dim=1, use_local_output=False)
+    if style.kind in ("gather", "scatter"):
+        from fprep.apply.sequence import GatherSequence, ScatterSequence
+
+        return GatherSequence() if style.kind == "gather" else ScatterSequence()
     if style.kind == "colwise":
         return ColwiseParallel(
-            input_layouts=Replicate(),
+            input_layouts=Shard(1) if style.sequence else Replicate(),
             output_layouts=Replicate() if style.output_replicated else Shard(-1),
             use_local_output=not style.dtensor_output,
         )
-    return RowwiseParallel(
+    return RowwiseParallel(  # sequence: reduce-scatter onto the stream, kept a DTensor
         input_layouts=Replicate() if style.input_replicated else Shard(-1),
-        output_layouts=Replicate(),
+        output_layouts=Shard(1) if style.sequence else Replicate(),
+        use_local_output=not style.sequence,
     )
 
 

@@ -11,9 +11,10 @@ vocabulary, head counts) that tp does not divide, a tied or ignored parameter th
 from __future__ import annotations
 
 from fprep.errors import ConfigError, ModelError
-from fprep.snapshot import ModuleTree, join_fqn
+from fprep.snapshot import ModuleTree, is_within, join_fqn
 from fprep.state import IgnoredState, PrepState, ProcessGroupState, TensorParallelState
 from fprep.tp_styles import SHARDABLE, STYLES, Style, pattern_regex, tp_dim
+from fprep.transitions.sequence_parallel import plan_sequence_parallel
 
 
 def _plan_pairs(state: PrepState) -> tuple[tuple[tuple[str, str], ...], str]:
@@ -88,9 +89,9 @@ def _params(
     out: list[tuple[str, int | None]] = []
     for fqn, name in modules:
         style = STYLES[name]
-        if style.kind == "replicate":
+        if not style.shards_params:
             continue
-        if fqn in ignored.modules:
+        if any(is_within(fqn, m) for m in ignored.modules):
             raise ConfigError(
                 f"PrepConfig.tp_plan shards {fqn!r}, which is ignored (kept whole on every rank).",
                 subject="tp_plan",
@@ -122,6 +123,31 @@ def _params(
     return tuple(out)
 
 
+def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
+    """Compilations that fail inside torch over tensor-parallel DTensors (4 gloo ranks, CPU;
+    tests/test_tp_composition.py): refused before any effect, naming the torch version."""
+    from torch import __version__ as torch_version
+
+    if compile_mode == "regional":
+        raise ConfigError(
+            f"compile='regional' with tp={tp} fails inside torch {torch_version}: compiling "
+            "each block over tensor-parallel DTensors breaks its backward (without "
+            "data parallelism DTensor's redistribute raises; under FSDP2 the gradients "
+            "differ from the eager ones).",
+            subject="compile",
+            hint="Use compile='whole' (tested equal to eager under tp), or compile='none'.",
+        )
+    if compile_mode == "whole" and checkpointing:
+        raise ConfigError(
+            f"compile='whole' with activation_checkpointing and tp={tp} fails inside torch "
+            f"{torch_version}: tracing the checkpointed blocks over tensor-parallel DTensors "
+            "mixes two fake tensor modes.",
+            subject="compile",
+            hint="Drop one of them: compile='whole' without checkpointing, or checkpointing "
+            "without compile (both tested equal to eager under tp).",
+        )
+
+
 def plan_tensor_parallel(
     state: PrepState, pg: ProcessGroupState, ignored: IgnoredState
 ) -> TensorParallelState | None:
@@ -129,8 +155,19 @@ def plan_tensor_parallel(
     tp = cfg.tp
     if tp == 1:
         return None
+    if cfg.precision == "fp8":
+        raise ConfigError(
+            f"precision='fp8' with tp={tp}: fprep swaps Linear layers for torchao's "
+            "Float8Linear, which tensor parallelism must shard with torchao's own styles "
+            "(Float8ColwiseParallel, Float8RowwiseParallel); fprep does not apply those yet.",
+            subject="precision",
+            hint="Use precision='bf16' under tensor parallelism, or fp8 with tp=1.",
+        )
+    _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
     modules = match_modules(tree, pairs)
+    if cfg.sequence_parallel:
+        modules = plan_sequence_parallel(tree, modules)
     styles = {name for _, name in modules}
     if styles & {"colwise", "colwise_rep", "colwise_gather_output"}:
         for field, count in tree.head_counts:
