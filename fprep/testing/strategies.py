@@ -30,7 +30,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
-from returns.result import Success
+from returns.result import Failure, Success
 from torch import nn
 
 from fprep.config import (
@@ -770,18 +770,25 @@ def plan_inputs(
     tree = _draw(draw, trees)
     cfg = draw(configs(tree=tree, topology=topology if valid else None, **config_fields))
     mixed = len({p.dtype for p in tree.params if p.requires_grad}) > 1
-    if valid and (mixed or any(len(p.names) > 1 for p in tree.params)):
+    if valid and mixed:
+        # Trainable parameters of two dtypes in one unit are refused under fsdp / hsdp; a tree
+        # given by the caller (trees=) would mostly be redrawn for it, so make it one dtype
+        # instead whenever the plan refuses it for that (a repair, not a filter).
+        result = plan(tree, cfg, topology)
+        if isinstance(result, Failure) and "trainable parameters of two dtypes" in str(
+            result.failure()
+        ):
+            first = next(p.dtype for p in tree.params if p.requires_grad)
+            params = tuple(
+                dataclasses.replace(p, dtype=first) if p.requires_grad else p for p in tree.params
+            )
+            tree = dataclasses.replace(tree, params=params)
+    if valid and any(len(p.names) > 1 for p in tree.params):
         # Whether the wrap policy leaves a tied parameter to no unit of its own (or puts
         # trainable parameters of two dtypes in one unit) depends on the whole unit layout;
         # rather than predict it, redraw the cases fprep refuses for it.
         result = plan(tree, cfg, topology)
-        assume(
-            isinstance(result, Success)
-            or not any(
-                why in str(result.failure())
-                for why in ("is tied across units", "trainable parameters of two dtypes")
-            )
-        )
+        assume(isinstance(result, Success) or "is tied across units" not in str(result.failure()))
     return PlanCase(tree, cfg, topology)
 
 
