@@ -170,3 +170,60 @@ def test_chunks_of_cover_the_tensor_in_order() -> None:
 
 def test_default_readers_is_bounded() -> None:
     assert 1 <= pipeline.default_readers(torch.device("cpu")) <= pipeline.MAX_READERS
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 12),
+    parts=st.integers(1, 4),
+    part=st.integers(0, 3),
+    chunk_rows=st.integers(1, 5),
+    source=st.sampled_from(DTYPES),
+    target=st.sampled_from(DTYPES),
+    device_lane=st.booleans(),
+)
+def test_strided_chunks_read_a_column_block(
+    tmp_path_factory: pytest.TempPathFactory,
+    rows: int,
+    cols: int,
+    parts: int,
+    part: int,
+    chunk_rows: int,
+    source: torch.dtype,
+    target: torch.dtype,
+    device_lane: bool,
+) -> None:
+    """A rowwise tensor-parallel block (columns ``[c0, c0 + width)`` of every row) read as whole
+    rows per chunk equals slicing the full tensor, whatever rows a chunk holds (also a row
+    longer than a chunk: then one chunk per piece of it)."""
+    part = min(part, parts - 1)
+    width = max(1, cols // parts)
+    c0 = min(part * width, cols - width)
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)).to(source)
+    path = tmp_path_factory.mktemp("strided") / "w.bin"
+    path.write_bytes(b"\0" * 24 + full.view(torch.uint8).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dest = torch.full((rows, width), float("nan"), dtype=target)
+        item = source.itemsize
+        chunk_bytes = chunk_rows * width * item if chunk_rows < 5 else max(item, width * item // 2)
+        chunks = list(
+            pipeline.strided_chunks_of(
+                fd,
+                str(path),
+                24 + c0 * item,
+                source,
+                dest,
+                runs=rows,
+                stride=cols * item,
+                chunk_bytes=chunk_bytes,
+            )
+        )
+        assert sum(c.nbytes for c in chunks) == rows * width * item
+        assert all(c.nbytes <= chunk_bytes for c in chunks)
+        lane = DeferredLane() if device_lane else Lane(torch.device("cpu"))
+        pour(chunks, lane, chunk_bytes=chunk_bytes)
+    finally:
+        os.close(fd)
+    assert torch.equal(dest, full[:, c0 : c0 + width].to(target))

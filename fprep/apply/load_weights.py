@@ -48,7 +48,7 @@ from fprep.errors import CheckpointError, PrepareError
 from fprep.progress import Progress
 from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
-from fprep.weights.blocks import pieces
+from fprep.weights.blocks import StridedRead
 from fprep.weights.identity import check_unchanged, disagreement, fingerprint, open_planned
 from fprep.weights.pipeline import (
     CHUNK_BYTES,
@@ -59,6 +59,7 @@ from fprep.weights.pipeline import (
     default_readers,
     pour,
     read_exact,
+    strided_chunks_of,
 )
 from fprep.weights.records import ITEMSIZE, TensorRead, WeightsPlan
 
@@ -103,8 +104,20 @@ class _Reader:
         return part.view(_dtype(read.dtype))
 
     def chunks(self, read: TensorRead, dest: torch.Tensor) -> Iterable[Chunk]:
-        """``read``'s bytes, in chunks, for ``dest`` (contiguous)."""
+        """``read``'s bytes, in chunks, for ``dest`` (contiguous); a tensor-parallel block's
+        column runs (``StridedRead``) as whole rows, many per chunk."""
         fd, source = self.fds[read.file], _dtype(read.dtype)
+        if isinstance(read, StridedRead):
+            return strided_chunks_of(
+                fd,
+                read.file,
+                read.offset,
+                source,
+                dest,
+                runs=read.runs,
+                stride=read.stride,
+                chunk_bytes=self.chunk_bytes,
+            )
         return chunks_of(fd, read.file, read.offset, source, dest, self.chunk_bytes)
 
     def pour(self, chunks: Iterable[Chunk], device: torch.device) -> PourStats:
@@ -214,16 +227,14 @@ def load(plan: WeightsPlan, model: nn.Module, reader: _Reader, kept: _Kept) -> l
             if read.keep:
                 kept.keep(local)
             if local.is_contiguous():
-                for part, into in pieces(read, local):  # a tp block's rows: weights.blocks
-                    by_device.setdefault(local.device, []).extend(reader.chunks(part, into))
+                by_device.setdefault(local.device, []).extend(reader.chunks(read, local))
             else:
                 strided.append((read, local))
         for device, chunks in by_device.items():
             stats.append(reader.pour(chunks, device))
         for read, local in strided:  # rare: through one host copy of it, in the file's dtype
             dest = torch.empty(local.shape, dtype=_dtype(read.dtype))
-            parts = [c for part, into in pieces(read, dest) for c in reader.chunks(part, into)]
-            stats.append(reader.pour(parts, dest.device))
+            stats.append(reader.pour(reader.chunks(read, dest), dest.device))
             local.copy_(dest)
         reader.check_unchanged()
     return stats

@@ -73,17 +73,31 @@ def read_exact(fd: int, view: memoryview, offset: int, file: str) -> None:
 @dataclass(frozen=True)
 class Chunk:
     """Bytes ``[offset, offset + numel * itemsize)`` of ``file`` (open as ``fd``), stored as
-    ``source``, for ``dest``: a flat contiguous tensor (part of a parameter or buffer)."""
+    ``source``, for ``dest``: a flat contiguous tensor (part of a parameter or buffer).
+
+    With ``stride``, the bytes are runs of ``run`` bytes, ``stride`` apart in the file, laid end
+    to end in ``dest`` (a rowwise tensor-parallel block: its columns of consecutive rows)."""
 
     fd: int
     file: str
     offset: int
     source: torch.dtype
     dest: torch.Tensor
+    run: int = 0
+    stride: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.dest.numel() * self.source.itemsize
+
+    def fill(self, view: memoryview) -> None:
+        """Read the chunk's bytes from its file into ``view`` (``nbytes`` long)."""
+        if not self.stride:
+            read_exact(self.fd, view, self.offset, self.file)
+            return
+        for i in range(len(view) // self.run):
+            part = view[i * self.run : (i + 1) * self.run]
+            read_exact(self.fd, part, self.offset + i * self.stride, self.file)
 
 
 def chunks_of(
@@ -97,6 +111,43 @@ def chunks_of(
     for start in range(0, flat.numel(), per):
         part = flat[start : start + per]
         yield Chunk(fd, file, offset + start * source.itemsize, source, part)
+
+
+def strided_chunks_of(
+    fd: int,
+    file: str,
+    offset: int,
+    source: torch.dtype,
+    dest: torch.Tensor,
+    *,
+    runs: int,
+    stride: int,
+    chunk_bytes: int,
+) -> Iterable[Chunk]:
+    """``dest`` (contiguous, ``runs`` rows) from ``runs`` runs of the file ``stride`` bytes
+    apart, as whole rows, as many per chunk as ``chunk_bytes`` holds (a row longer than that:
+    one chunk per piece of it)."""
+    flat = dest.view(-1)
+    width = flat.numel() // runs if runs else 0
+    run = width * source.itemsize
+    if run == 0:
+        return
+    if run > chunk_bytes:
+        for i in range(runs):
+            yield from chunks_of(
+                fd,
+                file,
+                offset + i * stride,
+                source,
+                flat[i * width : (i + 1) * width],
+                chunk_bytes,
+            )
+        return
+    rows = chunk_bytes // run
+    for first in range(0, runs, rows):
+        count = min(rows, runs - first)
+        part = flat[first * width : (first + count) * width]
+        yield Chunk(fd, file, offset + first * stride, source, part, run=run, stride=stride)
 
 
 @dataclass
@@ -158,11 +209,11 @@ class _Pour:
         """In a reader thread: the chunk's bytes into the destination or the slot's buffer;
         on the CPU, cast into the destination too."""
         if self.direct(chunk):
-            read_exact(chunk.fd, byte_view(chunk.dest), chunk.offset, chunk.file)
+            chunk.fill(byte_view(chunk.dest))
             return
         assert slot.buffer is not None
         part = slot.buffer[: chunk.nbytes]
-        read_exact(chunk.fd, byte_view(part), chunk.offset, chunk.file)
+        chunk.fill(byte_view(part))
         if self.on_host(chunk):
             with torch.no_grad():  # grad mode is per thread
                 chunk.dest.copy_(part.view(chunk.source))
