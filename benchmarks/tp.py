@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _timing import Loop, interleaved, ratio
+from prepare_memory import _reset_peak, _status_kb
 from torch import nn
 
 import fprep
@@ -142,23 +143,6 @@ def step_times(rounds: int, warmup: int) -> dict[str, list[float]]:
 
 
 # -- prepare peak memory ----------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := the current resident set
-        return True
-    except OSError:
-        return False
-
-
 def prepare_peak(variant: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
