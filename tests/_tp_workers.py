@@ -163,3 +163,18 @@ def four_ranks(
     models: tuple[str, ...] = MODELS, layouts: tuple[str, ...] = tuple(LAYOUTS)
 ) -> dict[str, Any]:
     return {f"{m}/{lay}": train(m, LAYOUTS[lay]) for m in models for lay in layouts}
+
+
+def reference_block(
+    shape: tuple[int, int], tp: int, tp_dim: int | None, t: int, dp: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global rows and columns of tp rank ``t``'s, dp rank ``d``'s block of a 2-D tensor,
+    by torch.chunk arithmetic (the test oracle): the tp chunk along ``tp_dim``, then FSDP2's
+    even chunk of its rows."""
+    rows, cols = torch.arange(shape[0]), torch.arange(shape[1])
+    if tp_dim == 0:
+        rows = rows.chunk(tp)[t]
+    elif tp_dim == 1:
+        cols = cols.chunk(tp)[t]
+    c = -(-len(rows) // dp)
+    return rows[c * d : c * (d + 1)], cols

@@ -261,14 +261,7 @@ def test_every_element_is_owned_once_per_replica(
                 tp=tp, tp_rank=t, dp_dims=("dp",), hybrid=hybrid, params={"w": tp_dim}
             )
             local, _, _, _, _ = layout.place(p, (dp, d))
-            # the block's global index set, by torch.chunk arithmetic: tp chunk, then dp rows
-            rows, cols_ = torch.arange(shape[0]), torch.arange(shape[1])
-            if tp_dim == 0:
-                rows = rows.chunk(tp)[t]
-            elif tp_dim == 1:
-                cols_ = cols_.chunk(tp)[t]
-            c = -(-len(rows) // dp)
-            rows = rows[c * d : c * (d + 1)]
+            rows, cols_ = W.reference_block(shape, tp, tp_dim, t, dp, d)
             assert local == (len(rows), len(cols_))
             owned[rows[:, None], cols_[None, :]] += 1
     assert bool((owned == (tp if tp_dim is None else 1)).all())

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import _tp_init_workers as W
+import _tp_workers as TPW
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -50,13 +50,7 @@ def test_row_and_column_spans_are_the_ranks_block(
                 placements=placements,
                 tp_shape=block,
             )
-            rows, cols_ = torch.arange(shape[0]), torch.arange(shape[1])
-            if tp_dim == 0:
-                rows = rows.chunk(tp)[t]
-            elif tp_dim == 1:
-                cols_ = cols_.chunk(tp)[t]
-            c = -(-len(rows) // dp)
-            rows = rows[c * d : c * (d + 1)]
+            rows, cols_ = TPW.reference_block(shape, tp, tp_dim, t, dp, d)
             start, stop = row_span(spec, dp, d, t)
             assert list(range(start, stop)) == rows.tolist()
             span = col_span(spec, t)
