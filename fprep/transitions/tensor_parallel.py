@@ -131,8 +131,9 @@ def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
     if compile_mode == "whole" and checkpointing:
         raise ConfigError(
             f"compile='whole' with activation_checkpointing and tp={tp} fails inside torch "
-            f"{torch_version}: tracing the checkpointed blocks over tensor-parallel DTensors "
-            "mixes two fake tensor modes.",
+            f"{torch_version}: AOTAutograd raises 'Mixing fake modes NYI' at the vocabulary-"
+            "parallel embedding, whose _MaskPartial placement keeps its mask tensor outside the "
+            "trace (torch 2.13.0 and 2.15.0; benchmarks/tp_compile_repro.py, plain torch).",
             subject="compile",
             hint="Drop one of them: compile='whole' without checkpointing, or checkpointing "
             "without compile (both tested equal to eager under tp), or compile='regional' "
