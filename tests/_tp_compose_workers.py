@@ -56,6 +56,30 @@ CASES: dict[str, tuple[dict[str, Any], tuple[str, ...], float]] = {
 }
 
 
+#: compile="regional" (each LlamaBlock compiled) on tensor parallelism: layout name -> (world
+#: size, PrepConfig fields), trained through tests/_tp_workers.py's loop (accumulation, clipping)
+#: against its eager single-process reference.
+REGIONAL: dict[str, tuple[int, dict[str, Any]]] = {
+    "tp2": (2, {"strategy": "auto", "tp": 2}),
+    "dp2_tp2_checkpointing": (
+        4,
+        {"strategy": "fsdp", "tp": 2, "activation_checkpointing": True},
+    ),
+    "dp2_tp2_sequence": (4, {"strategy": "fsdp", "tp": 2, "sequence_parallel": True}),
+}
+
+
+def regional(world: int) -> dict[str, Any]:
+    """Every ``REGIONAL`` layout of this world size, fprep's Llama."""
+    fields = {"compile": "regional", "compile_backend": "aot_eager", "wrap": LlamaBlock}
+    out = {}
+    for name, (size, layout) in REGIONAL.items():
+        if size == world:
+            torch._dynamo.reset()  # layouts share a process: no compiled code carries over
+            out[name] = W.train("fprep_llama", {**fields, **layout})
+    return out
+
+
 def build(frozen: tuple[str, ...]) -> nn.Module:
     cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=VOCAB)
     model = llama(cfg, "cpu", seed=SEED)

@@ -6,7 +6,8 @@ non-reentrant ``checkpoint``: it adds hooks and keeps every FQN. Compilation use
 ``nn.Module.compile`` (in place, FQNs kept); each repeated block's code is compiled once and
 reused across instances. Order in the default pipeline: checkpointing, then regional compile,
 then sharding — the order torchtitan uses, so FSDP2's hooks wrap the compiled, checkpointed
-blocks.
+blocks. Under tensor parallelism, the outputs of the parallelized modules outside the regions
+are waited for before they enter one (``fprep.apply.async_outputs`` says why).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Any
 
 from torch import nn
 
+from fprep.apply.async_outputs import wait_outputs_of
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.snapshot import is_within
 from fprep.state import PrepState, need
+from fprep.tp_styles import STYLES
 
 _COMPILED_ATTR = "_fprep_compiled"
 
@@ -69,13 +72,27 @@ def _compile(module: nn.Module, fqn: str, kwargs: dict[str, Any]) -> None:
     setattr(module, _COMPILED_ATTR, True)
 
 
+def _tp_outside(state: PrepState, compiled: tuple[str, ...]) -> tuple[str, ...]:
+    """Tensor-parallel modules outside the compiled regions: their outputs may enter one."""
+    tps = state.extension.tensor_parallel if state.extension is not None else None
+    if tps is None:
+        return ()
+    return tuple(
+        fqn
+        for fqn, name in tps.modules
+        if STYLES[name].kind != "replicate" and not any(is_within(fqn, r) for r in compiled)
+    )
+
+
 @step("compile_regions")
 def compile_regions(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if state.config.compile != "regional":
         return skipped(state, model)
     kwargs = _compile_kwargs(state)
-    for fqn in regions(state):
+    compiled = regions(state)
+    for fqn in compiled:
         _compile(model.get_submodule(fqn), fqn, kwargs)
+    wait_outputs_of(model, _tp_outside(state, compiled))  # see fprep.apply.async_outputs
     return state, model
 
 

@@ -128,23 +128,16 @@ def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
     tests/test_tp_composition.py): refused before any effect, naming the torch version."""
     from torch import __version__ as torch_version
 
-    if compile_mode == "regional":
-        raise ConfigError(
-            f"compile='regional' with tp={tp} fails inside torch {torch_version}: compiling "
-            "each block over tensor-parallel DTensors breaks its backward (without "
-            "data parallelism DTensor's redistribute raises; under FSDP2 the gradients "
-            "differ from the eager ones).",
-            subject="compile",
-            hint="Use compile='whole' (tested equal to eager under tp), or compile='none'.",
-        )
     if compile_mode == "whole" and checkpointing:
         raise ConfigError(
             f"compile='whole' with activation_checkpointing and tp={tp} fails inside torch "
-            f"{torch_version}: tracing the checkpointed blocks over tensor-parallel DTensors "
-            "mixes two fake tensor modes.",
+            f"{torch_version}: AOTAutograd raises 'Mixing fake modes NYI' at the vocabulary-"
+            "parallel embedding, whose _MaskPartial placement keeps its mask tensor outside the "
+            "trace (torch 2.13.0 and 2.15.0; benchmarks/tp_compile_repro.py, plain torch).",
             subject="compile",
             hint="Drop one of them: compile='whole' without checkpointing, or checkpointing "
-            "without compile (both tested equal to eager under tp).",
+            "without compile (both tested equal to eager under tp), or compile='regional' "
+            "with checkpointing.",
         )
 
 
