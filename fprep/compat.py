@@ -161,6 +161,12 @@ class Float8Api:
     config_for_recipe: Any  # Float8LinearConfig.from_recipe_name(name)
     recipes: tuple[str, ...]  # the recipe names this torchao knows
     fsdp_float8_all_gather: bool  # Float8LinearConfig(enable_fsdp_float8_all_gather=)
+    #: precompute_float8_dynamic_scale_for_fsdp(module): one all-reduce for every float8
+    #: weight's scale, after each optimizer step (None when this torchao lacks it)
+    precompute_fsdp_scales: Any = None
+    #: torchao.float8.float8_tensor_parallel's (Float8ColwiseParallel, Float8RowwiseParallel):
+    #: tensor parallelism over Float8Linear with tensorwise scales (None when absent)
+    tp_styles: tuple[Any, Any] | None = None
 
 
 def _torchao_missing(why: str, feature: str) -> ConfigError:
@@ -202,13 +208,30 @@ def float8_api(feature: str = "precision='fp8' on CUDA") -> Float8Api:
             feature,
         )
     fields = getattr(config_cls, "__dataclass_fields__", {})
+    try:
+        tp = importlib.import_module("torchao.float8.float8_tensor_parallel")
+        tp_styles = (tp.Float8ColwiseParallel, tp.Float8RowwiseParallel)
+    except (ImportError, AttributeError):
+        tp_styles = None
     return Float8Api(
         version=version,
         convert=convert,
         config_for_recipe=config_cls.from_recipe_name,
         recipes=tuple(str(r.value) for r in recipe_enum),
         fsdp_float8_all_gather="enable_fsdp_float8_all_gather" in fields,
+        precompute_fsdp_scales=getattr(float8, "precompute_float8_dynamic_scale_for_fsdp", None),
+        tp_styles=tp_styles,
     )
+
+
+def float8_tp_styles(api: Float8Api) -> tuple[Any, Any]:
+    """torchao's ``(Float8ColwiseParallel, Float8RowwiseParallel)``, or the ``ConfigError``."""
+    if api.tp_styles is None:
+        raise _torchao_missing(
+            f"torchao {api.version} has no torchao.float8.float8_tensor_parallel.",
+            "precision='fp8' with tp > 1",
+        )
+    return api.tp_styles
 
 
 def float8_config(api: Float8Api, recipe: str, *, fsdp_all_gather: bool, emulate: bool) -> Any:
@@ -230,6 +253,11 @@ def float8_config(api: Float8Api, recipe: str, *, fsdp_all_gather: bool, emulate
         if not api.fsdp_float8_all_gather:
             raise _torchao_missing(
                 f"torchao {api.version} has no enable_fsdp_float8_all_gather.",
+                "fp8.fsdp_float8_all_gather",
+            )
+        if api.precompute_fsdp_scales is None:
+            raise _torchao_missing(
+                f"torchao {api.version} has no precompute_float8_dynamic_scale_for_fsdp.",
                 "fp8.fsdp_float8_all_gather",
             )
         changes["enable_fsdp_float8_all_gather"] = True

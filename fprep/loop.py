@@ -50,6 +50,10 @@ def optimizer_step(
     Several optimizers over one backward (say, one per parameter group kind) go in one call —
     ``optimizer_step(state, [opt_a, opt_b], [sched_a, sched_b])`` — so that fp16's scaler
     unscales all of them with the scale the loss was scaled by, then updates once.
+    With fp8 and float8 all-gather (``Fp8Options.fsdp_float8_all_gather``), a step that
+    stepped then precomputes the float8 weights' scales (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``: one all-reduce instead of one per weight at
+    the next all-gathers), as torchtitan does after its optimizer step.
     """
     handles = handles_of(state)
     optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
@@ -80,6 +84,8 @@ def optimizer_step(
         if use is not None:
             use.updated_since_backward = True
         stepped = bool(scaler.get_scale() >= before)  # an overflow always lowers the scale
+    if stepped and handles.fp8_scales is not None:
+        handles.fp8_scales()  # float8 all-gather: the new weights' scales, one all-reduce
     if handles.device_handle is not None:
         handles.device_handle.step_mark()  # a no-op except on Gaudi in lazy mode
     if stepped and scheduler is not None:

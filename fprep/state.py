@@ -191,7 +191,12 @@ class TensorParallelState:
     Accelerate's order), so rank ``r`` is tp rank ``r % size`` of the group
     ``[r - r % size, r - r % size + size)``. ``modules``: ``(module FQN, style name)`` in
     pre-order; ``params``: ``(parameter FQN, tp shard dim or None when replicated)`` for every
-    parameter of those modules (they become DTensors over the tp dimension).
+    parameter of those modules (they become DTensors over the tp dimension). ``float8``:
+    ``(module FQN, torch / torchao style class)`` for every module the fp8 plan converts and
+    the tp plan shards: torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` with
+    tensorwise scales (inputs cast to float8 on DTensors, amax all-reduced over tp), torch's
+    ``ColwiseParallel`` / ``RowwiseParallel`` with a rowwise recipe (torchao's float8 styles
+    cast tensorwise only; the float8 matmuls then run on each rank's shard).
     """
 
     size: int
@@ -204,6 +209,7 @@ class TensorParallelState:
     plan_source: Literal["config", "model"]
     loss_parallel: bool = False  # the output stays vocabulary-sharded (fprep.loss_parallel)
     notes: tuple[str, ...] = ()
+    float8: tuple[tuple[str, str], ...] = ()
 
     def dim_of(self, fqn: str) -> tuple[bool, int | None]:
         """(whether ``fqn`` is a tp DTensor, the dim it is sharded on over tp)."""

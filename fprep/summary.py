@@ -64,6 +64,14 @@ def summarize(state: PrepState) -> str:
                 f"modules, {len(tps.params)} parameters split; tp group {tps.group[0]}.."
                 f"{tps.group[-1]}" + (", loss parallel" if tps.loss_parallel else "")
             )
+            if tps.float8:
+                counts: dict[str, int] = {}
+                for _, cls in tps.float8:
+                    counts[cls] = counts.get(cls, 0) + 1
+                lines.append(
+                    "  fp8 x tp    "
+                    + ", ".join(f"{n} float8 Linear under {c}" for c, n in counts.items())
+                )
             lines.extend(f"  note        {n}" for n in tps.notes)
     if state.device is not None:
         dev = state.device

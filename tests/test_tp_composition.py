@@ -118,18 +118,9 @@ def test_sequence_parallel_config_refusals() -> None:
     assert PrepConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_fp8_under_tp_is_refused() -> None:
-    """torchao's Float8Linear needs torchao's own TP styles: refused on CUDA, by name."""
-    cfg = PrepConfig(strategy="fsdp", tp=2, precision="fp8")
-    topo = Topology(world_size=4, rank=0, device_type="cuda")
-    error = fprep.plan(llama_tiny("meta"), cfg, topo).failure()
-    assert isinstance(error, ConfigError) and error.subject == "precision", error
-    assert "Float8ColwiseParallel" in error.message
-
-
 def test_whole_compile_with_checkpointing_is_refused_naming_torch() -> None:
     """Whole compile of checkpointed blocks over a vocabulary-parallel embedding mixes fake
-    modes inside torch (tests/test_tp_compile_repro.py): refused, naming torch's version."""
+    modes inside torch (benchmarks/tp_compile_repro.py): refused, naming torch's version."""
     import torch
 
     fields: dict[str, Any] = {"compile": "whole", "activation_checkpointing": True}

@@ -12,12 +12,14 @@ The step runs first after ``connect``, before ``checkpoint``, ``compile_regions`
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from fprep.apply.steps import handles_of, skipped, step
-from fprep.compat import float8_api, float8_config
+from fprep.apply.steps import handles_of, skipped, step, with_handles
+from fprep.compat import float8_api, float8_config, float8_tp_styles
 from fprep.devices import import_or_fail
 from fprep.errors import PrepareError
 from fprep.state import Fp8Plan, PrepState, need
@@ -35,6 +37,10 @@ def check_fp8_available(state: PrepState) -> None:
             fsdp_all_gather=core.precision.fp8_plan.fsdp_float8_all_gather,
             emulate=False,
         )
+    ext = state.extension
+    tps = ext.tensor_parallel if ext is not None else None
+    if tps is not None and any(cls.startswith("Float8") for _, cls in tps.float8):
+        float8_tp_styles(float8_api("precision='fp8' with tp > 1"))
 
 
 def convert_fp8(
@@ -93,7 +99,29 @@ def fp8(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if plan is None or not plan.modules:
         return skipped(state, model)
     device_type = handles_of(state).device.type
-    return state, convert_fp8(model, plan, device_type, emulate=device_type == "cpu")
+    model = convert_fp8(model, plan, device_type, emulate=device_type == "cpu")
+    if plan.fsdp_float8_all_gather and device_type != "hpu":
+        state = with_handles(state, fp8_scales=_scale_refresher(model))
+    return state, model
+
+
+def _scale_refresher(model: nn.Module) -> Callable[[], None]:
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp`` over ``model`` (held weakly).
+
+    With float8 all-gather, FSDP2 casts each weight shard to float8 before gathering it, with
+    one scale for the whole weight: computed by an all-reduce per weight at every all-gather,
+    or, once precomputed, by one all-reduce for all of them. A precomputed scale is used until
+    the next precompute, so it must follow every change of the weights (``optimizer_step``,
+    ``fprep.load``): a stale one would saturate grown weights silently."""
+    precompute = float8_api("fp8.fsdp_float8_all_gather").precompute_fsdp_scales
+    ref = weakref.ref(model)
+
+    def refresh() -> None:
+        live = ref()
+        if live is not None:
+            precompute(live)
+
+    return refresh
 
 
 def fp8_modules(model: nn.Module) -> tuple[str, ...]:

@@ -3,7 +3,10 @@
 Runs before checkpointing, compilation and sharding (torchtitan's order: TP, then activation
 checkpointing, compile, FSDP2), on the tp sub-mesh connect built. Each planned module gets the
 torch style its name maps to (``fprep.tp_styles``); the parameters become DTensors over the tp
-dimension, and ``shard`` then shards their local blocks over the data-parallel dims.
+dimension, and ``shard`` then shards their local blocks over the data-parallel dims. The
+float8 Linear layers the plan lists (``TensorParallelState.float8``, converted by the ``fp8``
+step just before) get torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` where
+the plan names them: the same layouts, with inputs and output gradients cast to float8.
 """
 
 from __future__ import annotations
@@ -14,18 +17,23 @@ from torch import nn
 
 from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
+from fprep.compat import float8_api, float8_tp_styles
 from fprep.state import PrepState, need
 from fprep.tp_styles import STYLES, Style
 
 
-def torch_style(style: Style) -> Any:
-    """torch's ``ParallelStyle`` for one of fprep's (transformers') style names."""
+def torch_style(style: Style, float8: tuple[Any, Any] | None = None) -> Any:
+    """torch's ``ParallelStyle`` for one of fprep's (transformers') style names; with
+    ``float8`` (torchao's ``(Float8ColwiseParallel, Float8RowwiseParallel)``) the colwise /
+    rowwise classes are those, with the same layouts."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         SequenceParallel,
     )
+
+    colwise, rowwise = float8 if float8 is not None else (ColwiseParallel, RowwiseParallel)
 
     if style.kind == "sequence":
         return SequenceParallel(sequence_dim=1, use_local_output=False)
@@ -34,12 +42,12 @@ def torch_style(style: Style) -> Any:
 
         return GatherSequence() if style.kind == "gather" else ScatterSequence()
     if style.kind == "colwise":
-        return ColwiseParallel(
+        return colwise(
             input_layouts=Shard(1) if style.sequence else Replicate(),
             output_layouts=Replicate() if style.output_replicated else Shard(-1),
             use_local_output=not style.dtensor_output,
         )
-    return RowwiseParallel(  # sequence: reduce-scatter onto the stream, kept a DTensor
+    return rowwise(  # sequence: reduce-scatter onto the stream, kept a DTensor
         input_layouts=Replicate() if style.input_replicated else Shard(-1),
         output_layouts=Shard(1) if style.sequence else Replicate(),
         use_local_output=not style.sequence,
@@ -54,8 +62,10 @@ def parallelize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         return skipped(state, model)
     from torch.distributed.tensor.parallel import parallelize_module
 
+    float8 = {fqn for fqn, cls in tps.float8 if cls.startswith("Float8")}
+    styles = float8_tp_styles(float8_api("precision='fp8' with tp > 1")) if float8 else None
     plan = {
-        fqn: torch_style(STYLES[name])
+        fqn: torch_style(STYLES[name], styles if fqn in float8 else None)
         for fqn, name in tps.modules
         if STYLES[name].kind != "replicate"
     }

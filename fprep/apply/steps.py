@@ -69,6 +69,9 @@ class Handles:
     rank0_full_state: Any = None  # rank 0's full state dict, held from shard to sync
     param_fqns_before: Any = None  # parameter before prepare (held weakly) -> canonical FQN
     replaced_params: Any = None  # fprep.optim.ReplacedParams: what optimizers must not hold
+    #: fp8 with float8 all-gather: () -> None, torchao's precompute of every float8 weight's
+    #: scale (one all-reduce); run after each optimizer step and checkpoint load
+    fp8_scales: Any = None
 
 
 def handles_of(state: PrepState) -> Handles:

@@ -515,6 +515,9 @@ def load(
     except Exception as e:
         error = _apply_failed(step_dir, e)
     group.agree(error)  # every rank returns, or every rank raises
+    refresh = getattr(state.handles, "fp8_scales", None)
+    if refresh is not None:  # float8 all-gather: scales precomputed for the old weights
+        refresh()
     return LoadedInfo(
         step=plan.manifest.step,
         extras=plan.extras,

@@ -6,14 +6,17 @@ transformers' ``base_model_tp_plan`` + ``_tp_plan``; ``fprep.testing.models.Llam
 Refused here, naming the culprit: a pattern matching no module, a module matched twice with
 different styles, a style on a module kind it cannot shard, a sharded dimension (rows, columns,
 vocabulary, head counts) that tp does not divide, a tied or ignored parameter the plan shards.
+With ``precision="fp8"`` the plan also says which style each float8 Linear it shards gets
+(``TensorParallelState.float8``); the ``fp8`` step converts them before ``parallelize``.
 """
 
 from __future__ import annotations
 
 from fprep.errors import ConfigError, ModelError
 from fprep.snapshot import ModuleTree, is_within, join_fqn
-from fprep.state import IgnoredState, PrepState, ProcessGroupState, TensorParallelState
+from fprep.state import Fp8Plan, IgnoredState, PrepState, ProcessGroupState, TensorParallelState
 from fprep.tp_styles import SHARDABLE, STYLES, Style, pattern_regex, tp_dim
+from fprep.transitions.fp8 import FP8_DIM_MULTIPLE
 from fprep.transitions.sequence_parallel import plan_sequence_parallel
 
 
@@ -123,6 +126,47 @@ def _params(
     return tuple(out)
 
 
+#: the styles fprep applies to a float8 Linear: torchao's with tensorwise scales, else torch's
+FLOAT8_STYLES = {
+    True: {"colwise": "Float8ColwiseParallel", "rowwise": "Float8RowwiseParallel"},
+    False: {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"},
+}
+
+
+def _float8_styles(
+    tree: ModuleTree, modules: tuple[tuple[str, str], ...], fp8: Fp8Plan, tp: int
+) -> tuple[tuple[str, str], ...]:
+    """``(FQN, style class)`` for each module both plans touch. torchao's float8 styles cast a
+    module's input tensorwise (one all-reduced amax per tensor), so they serve the tensorwise
+    recipe only; a rowwise recipe keeps torch's styles, as torchtitan does. So do the layers
+    meeting the sequence-sharded stream (``*_sequence``): torchao's styles would move float8
+    tensors across the sequence (the backward all-gathers a float8 gradient), which gloo cannot
+    do ("Invalid scalar type") and which is not verified on NCCL. Each rank's float8 matmul
+    runs on its shard, whose sharded dimension must stay float8-sized."""
+    converted = frozenset(fp8.modules)
+    out: list[tuple[str, str]] = []
+    for fqn, name in modules:
+        kind = STYLES[name].kind
+        if fqn not in converted or kind not in ("colwise", "rowwise"):
+            continue
+        weight = tree.param(join_fqn(fqn, "weight"))
+        assert weight is not None
+        dim = 0 if kind == "colwise" else 1
+        local = weight.shape[dim] // tp
+        if local % FP8_DIM_MULTIPLE:
+            raise ConfigError(
+                f"precision='fp8' with tp={tp}: {fqn!r} ({name}) keeps {local} of its "
+                f"{weight.shape[dim]} {'rows' if dim == 0 else 'columns'} per tp rank, not a "
+                f"multiple of {FP8_DIM_MULTIPLE} (float8 matmuls need both dimensions to be).",
+                subject="fp8.skip",
+                hint=f"Keep it in bf16 (fp8={{'skip': [{fqn!r}]}}), or choose a tp for which "
+                f"{weight.shape[dim]} / tp is a multiple of {FP8_DIM_MULTIPLE}.",
+            )
+        torchao = fp8.recipe == "tensorwise" and not STYLES[name].sequence
+        out.append((fqn, FLOAT8_STYLES[torchao][kind]))
+    return tuple(out)
+
+
 def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
     """Compilations that fail inside torch over tensor-parallel DTensors (4 gloo ranks, CPU;
     tests/test_tp_composition.py): refused before any effect, naming the torch version."""
@@ -148,14 +192,6 @@ def plan_tensor_parallel(
     tp = cfg.tp
     if tp == 1:
         return None
-    if cfg.precision == "fp8":
-        raise ConfigError(
-            f"precision='fp8' with tp={tp}: fprep swaps Linear layers for torchao's "
-            "Float8Linear, which tensor parallelism must shard with torchao's own styles "
-            "(Float8ColwiseParallel, Float8RowwiseParallel); fprep does not apply those yet.",
-            subject="precision",
-            hint="Use precision='bf16' under tensor parallelism, or fp8 with tp=1.",
-        )
     _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
     modules = match_modules(tree, pairs)
@@ -172,6 +208,8 @@ def plan_tensor_parallel(
                     hint=f"Choose tp dividing {count}.",
                 )
     params = _params(tree, modules, tp, ignored)
+    fp8 = state.core.precision.fp8_plan if state.core is not None else None
+    float8 = _float8_styles(tree, modules, fp8, tp) if fp8 is not None else ()
     notes: list[str] = []
     if topo.local_world_size % tp:
         notes.append(
@@ -191,4 +229,5 @@ def plan_tensor_parallel(
         plan_source=source,  # type: ignore[arg-type]
         loss_parallel=any(STYLES[n].dtensor_output for _, n in modules),
         notes=tuple(notes),
+        float8=float8,
     )
