@@ -235,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     verdict = "ok" if base > 0 and m / base <= MEMORY_TARGET else "MISSED"
     print(
         f"   target fprep / torch <= {MEMORY_TARGET}: increase {verdict}, process peak "
-        f"{'ok' if a <= MEMORY_TARGET else 'MISSED'} (fprep's rollback record keeps the "
-        "original weights alive until prepare returns; torch frees each as TP replaces it)"
+        f"{'ok' if a <= MEMORY_TARGET else 'MISSED'} (the price of rollback: fprep's record "
+        "keeps the original weights, by reference, until prepare returns, so the TP blocks "
+        "torch copies sit beside them; torch frees each original as TP replaces it)"
     )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\n({time.perf_counter() - start:.0f} s; load average {load:.1f} at the end)")

@@ -66,11 +66,12 @@ def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(lengths: tuple[int, ...] = (SEQ,) * STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (inputs, targets) batch per step, of ``lengths[step]`` tokens."""
     g = torch.Generator().manual_seed(11)
     out = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    for seq in lengths:
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq + 1), generator=g)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
 
@@ -79,12 +80,12 @@ def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
-def reference(name: str) -> dict[str, list[float]]:
+def reference(name: str, lengths: tuple[int, ...] = (SEQ,) * STEPS) -> dict[str, list[float]]:
     """One process, full batch, two half-batch micro-steps (accumulation), clipping."""
     model = build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
-    for x, y in batches():
+    for x, y in batches(lengths):
         total = 0.0
         for half in (slice(0, GLOBAL_BATCH // 2), slice(GLOBAL_BATCH // 2, GLOBAL_BATCH)):
             loss = loss_of(logits_of(model, x[half]), y[half]) / 2
@@ -118,8 +119,11 @@ def _mismatches(state: fprep.PrepState, model: nn.Module) -> list[str]:
     return out
 
 
-def train(name: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """This rank's losses (its dp slice of each batch), clipped norms, and plan mismatches."""
+def train(
+    name: str, fields: dict[str, Any], lengths: tuple[int, ...] = (SEQ,) * STEPS
+) -> dict[str, Any]:
+    """This rank's losses (its dp slice of each batch of ``lengths[step]`` tokens), clipped
+    norms, and plan mismatches."""
     model = build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state, model, opt = fprep.prepare(model, fprep.PrepConfig(**fields), opt)
@@ -133,7 +137,7 @@ def train(name: str, fields: dict[str, Any]) -> dict[str, Any]:
     per = GLOBAL_BATCH // dp
     mine = slice(dp_rank * per, (dp_rank + 1) * per)
     losses, norms = [], []
-    for x, y in batches():
+    for x, y in batches(lengths):
         xs, ys = x[mine], y[mine]
         total = 0.0
         micro = per // 2 if per >= 2 else per

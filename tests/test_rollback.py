@@ -9,6 +9,9 @@ and can be prepared again.
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import pytest
 import torch
 from test_prepare_single import assert_unchanged, first_batch, snapshot
@@ -162,3 +165,73 @@ def test_a_registered_non_persistent_buffer_is_rolled_back() -> None:
     assert "scratch" not in model._buffers
     assert "scratch" not in model._non_persistent_buffers_set
     assert "scratch" not in model.state_dict()
+
+
+def test_the_record_keeps_the_originals_without_copies_and_prepare_drops_it() -> None:
+    """The record aliases each tensor's data (no copy); once ``prepare`` returns, nothing of
+    fprep's holds the parameters a step replaced."""
+    model = tiny_gpt(seed=SEED)
+    undo = Rollback.of(model)
+    assert {id(r.tensor) for r in undo.tensors} == {id(p) for p in model.parameters()} | {
+        id(b) for b in model.buffers()
+    }
+    assert all(r.data.data_ptr() == r.tensor.data_ptr() for r in undo.tensors)
+    del undo
+
+    @fprep.step("replace")
+    def replace(state: fprep.PrepState, m: nn.Module) -> tuple[fprep.PrepState, nn.Module]:
+        for module in m.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(p.detach().clone())
+        return state, m
+
+    originals = [weakref.ref(p) for p in model.parameters()]
+    fprep.prepare(model, PrepConfig(), steps=[*fprep.default_steps(), replace])
+    assert [r for r in originals if r() is not None] == []
+
+
+def test_shard_holds_no_replaced_tp_block_until_its_last_unit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under TP every parameter is a TP block (a copy torch makes) when ``shard`` starts;
+    each ``fully_shard`` replaces its unit's. While the record keeps the original weights,
+    a block the shard step itself kept alive until the root unit would add to prepare's peak
+    (benchmarks/tp.py): when the root is sharded, the inner units' blocks are gone."""
+    import torch.distributed.fsdp as fsdp
+
+    from fprep.testing.models import LlamaBlock, LlamaConfig, llama
+
+    blocks: list[tuple[str, weakref.ref[nn.Parameter]]] = []
+    alive_at_root: list[str] = []
+    torch_fully_shard = fsdp.fully_shard
+
+    @fprep.step("probe")
+    def probe(state: fprep.PrepState, m: nn.Module) -> tuple[fprep.PrepState, nn.Module]:
+        blocks.extend(  # the TP blocks (the originals of the rest are the record's)
+            (n, weakref.ref(p)) for n, p in m.named_parameters() if hasattr(p, "placements")
+        )
+        return state, m
+
+    def fully_shard(module: nn.Module, **kwargs: object) -> object:
+        if module is model:  # the root, last: every block unit is sharded
+            alive_at_root.extend(n for n, r in blocks if r() is not None)
+        return torch_fully_shard(module, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(fsdp, "fully_shard", fully_shard)
+    cfg = LlamaConfig(dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=32, vocab_size=32)
+    model = llama(cfg, "cpu", seed=SEED)
+    steps = list(fprep.default_steps())
+    names = [getattr(s, "step_name", getattr(s, "__name__", "")) for s in steps]
+    steps.insert(names.index("parallelize") + 1, probe)
+    with fake_world(4, 0), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topology = Topology(world_size=4, rank=0, local_world_size=4)
+        fprep.prepare(
+            model,
+            PrepConfig(strategy="fsdp", tp=2, wrap=LlamaBlock),
+            topology=topology,
+            steps=steps,
+        )
+    assert any(n.startswith("layers.") for n, _ in blocks)
+    assert [n for n in alive_at_root if n.startswith("layers.")] == []

@@ -166,8 +166,10 @@ def test_feature_on_top_of_tp_equals_one_process(
     assert mean == pytest.approx(C.reference(case), abs=C.CASES[case][2])
 
 
-def _equal_to_reference(outs: list[dict[str, Any]], model: str) -> None:
-    ref = W.reference(model)
+def _equal_to_reference(
+    outs: list[dict[str, Any]], model: str, lengths: tuple[int, ...] = (W.SEQ,) * W.STEPS
+) -> None:
+    ref = W.reference(model, lengths)
     by_dp: dict[int, list[float]] = {}
     for out in outs:
         assert out["mismatches"] == []  # planned placements are the real DTensors'
@@ -184,6 +186,15 @@ def test_sequence_parallel_dp2_tp2_equals_one_process(
     four_ranks: list[dict[str, Any]], model: str
 ) -> None:
     _equal_to_reference([r["sequence"][f"{model}/dp2_tp2"] for r in four_ranks], model)
+
+
+@pytest.mark.parametrize("model", W.MODELS)
+def test_sequence_parallel_dp2_tp2_uneven_lengths_equal_one_process(
+    four_ranks: list[dict[str, Any]], model: str
+) -> None:
+    """7, 1, then 5 tokens at tp 2: DTensor shards the stream unevenly (4 + 3, 1 + 0, 3 + 2)."""
+    outs = [r["sequence"][f"{model}/dp2_tp2/uneven"] for r in four_ranks]
+    _equal_to_reference(outs, model, S.UNEVEN)
 
 
 def _sequence_and_regional() -> dict[str, Any]:
@@ -214,6 +225,13 @@ def test_regional_compile_dp2_tp2_equals_eager(
     four_ranks: list[dict[str, Any]], layout: str
 ) -> None:
     _equal_to_reference([r["regional"][layout] for r in four_ranks], "fprep_llama")
+
+
+@pytest.mark.parametrize("model", W.MODELS)
+def test_sequence_parallel_tp2_uneven_lengths_equal_one_process(
+    two_ranks: list[dict[str, Any]], model: str
+) -> None:
+    _equal_to_reference([r["sequence"][f"{model}/tp2/uneven"] for r in two_ranks], model, S.UNEVEN)
 
 
 def test_plan_cli_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:

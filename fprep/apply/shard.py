@@ -9,6 +9,7 @@ only where an accelerator exists), ignored parameters, and the explicit prefetch
 from __future__ import annotations
 
 from typing import Any
+from weakref import ref
 
 import torch
 from torch import nn
@@ -47,6 +48,18 @@ def carry_param_attributes(
                 setattr(p, key, value)
 
 
+def _managed_elsewhere(
+    module: nn.Module, fqn: str, unit_of: dict[int, tuple[ref[nn.Parameter], str]]
+) -> dict[int, nn.Parameter]:
+    """``module``'s plain parameters that another unit manages (tied ones), by id."""
+    out = {}
+    for p in module.parameters():
+        held, owner = unit_of.get(id(p), (None, fqn))
+        if not _is_dtensor(p) and held is not None and held() is p and owner != fqn:
+            out[id(p)] = p
+    return out
+
+
 @step("shard")
 def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     core = need(state.core, "init_core", "shard")
@@ -70,17 +83,20 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     named = dict(model.named_parameters(remove_duplicate=False))
     attrs = param_attributes(model)
     ignored = {id(named[n]): named[n] for spec in plan.ignored for n in spec.names}
-    unit_of = {id(named[spec.fqn]): u.fqn for u in plan.units for spec in u.params}
+    # Which unit manages each parameter, holding the parameters weakly: each fully_shard
+    # replaces its unit's parameters, and a strong reference here would keep every replaced
+    # one (under TP, every TP block: half the model at tp 2) alive until the last unit.
+    unit_of = {
+        id(named[spec.fqn]): (ref(named[spec.fqn]), u.fqn) for u in plan.units for spec in u.params
+    }
+    del named
     policy = core.precision
     offload: Any = (
         CPUOffloadPolicy(pin_memory=core.pin_memory) if core.offload == "cpu" else OffloadPolicy()
     )
     for unit in plan.units:
         module = model.get_submodule(unit.fqn)
-        skip = dict(ignored)
-        for p in module.parameters():
-            if not _is_dtensor(p) and unit_of.get(id(p), unit.fqn) != unit.fqn:
-                skip[id(p)] = p  # a tied parameter another unit manages
+        skip = {**ignored, **_managed_elsewhere(module, unit.fqn, unit_of)}
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(policy.param_dtype),
             reduce_dtype=_dtype(policy.reduce_dtype),
