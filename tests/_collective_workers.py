@@ -28,12 +28,24 @@ TIMEOUT_S = 3.0  # PrepConfig.timeout_s in these tests: short, so that failures 
 
 
 def _rank(
-    fn: Any, rank: int, world_size: int, port: int, results: Any, args: Any, exit_: bool
+    fn: Any,
+    rank: int,
+    world_size: int,
+    port: int,
+    results: Any,
+    args: Any,
+    exit_: bool,
+    started: Any,
 ) -> None:
     """One rank, as torchrun would start it. It exits as soon as its result is sent (tearing a
     process group down after its peer was killed can block for many seconds); with ``exit_``
-    it ends as a script does instead (``atexit`` hooks run)."""
+    it ends as a script does instead (``atexit`` hooks run).
+
+    The started ranks wait for each other before ``fn``: importing torch in a new process takes
+    seconds on a loaded machine, and without this the ranks' skew would eat ``TIMEOUT_S``, the
+    short arrival deadline these tests give ``prepare``."""
     become_rank(rank, world_size, port)
+    started.wait(timeout=300)
     try:
         results.put((rank, True, fn(*args)))
     except BaseException:
@@ -62,10 +74,11 @@ def spawn(
     port = free_port()
     started = list(range(world_size)) if ranks is None else list(ranks)
     needed = set(started if wait_for is None else wait_for)
+    imported = ctx.Barrier(len(started))
     procs = {
         r: ctx.Process(
             target=_rank,
-            args=(fn, r, world_size, port, results, args, exit_normally),
+            args=(fn, r, world_size, port, results, args, exit_normally, imported),
             daemon=True,
         )
         for r in started
