@@ -28,7 +28,7 @@ from fprep.errors import ConfigError
 #: The oldest torch fprep runs on (FSDP2, DTensor and DCP as fprep uses them are all in 2.11).
 MIN_TORCH = (2, 11)
 #: The newest torch release fprep was tested with (pyproject's upper bound is the next minor).
-NEWEST_TESTED = (2, 14)
+NEWEST_TESTED = (2, 15)
 #: The oldest torchao whose float8 training API fprep uses (recipes by name, a module filter,
 #: float8 all-gather under FSDP2); 0.18 is the release tested.
 MIN_TORCHAO = (0, 10)

@@ -65,9 +65,11 @@ def test_at_least_counts_a_prerelease_as_its_release() -> None:
         ("2.11.0+cu130", True, ""),
         ("2.12.1", True, ""),
         ("2.14.1", True, ""),
+        ("2.15.0", True, ""),
+        ("2.15.0a0+git1234", True, ""),
         ("2.10.0", False, "older"),
-        ("2.15.0", False, "newer"),
-        ("2.15.0a0+git1234", False, "newer"),
+        ("2.16.0", False, "newer"),
+        ("2.16.0a0+git1234", False, "newer"),
     ],
 )
 def test_support_range(text: str, supported: bool, word: str) -> None:
