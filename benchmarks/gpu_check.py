@@ -4,7 +4,8 @@ One GPU (under 5 minutes on an H100 / H200, a ~0.4B transformers Llama built fro
 
     python benchmarks/gpu_check.py
 
-Several GPUs (NCCL; adds ddp / fsdp / hsdp training and a sharded checkpoint round trip):
+Several GPUs (NCCL; adds ddp / fsdp / hsdp training, tensor parallelism — tp 2, fsdp over the rest —
+and sharded checkpoint round trips):
 
     torchrun --nproc-per-node 4 benchmarks/gpu_check.py
 
@@ -98,10 +99,11 @@ def block_class() -> type[nn.Module]:
     return LlamaDecoderLayer
 
 
-def batch(setup: Setup, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(setup: Setup, seed: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch: one per data-parallel rank (the ranks of a tp group feed the same)."""
     vocab = llama_config(setup.tiny).vocab_size
     shape = (2, 32) if setup.tiny else (4, 1024)
-    g = torch.Generator().manual_seed(seed + setup.rank)
+    g = torch.Generator().manual_seed(seed + setup.rank // tp)
     ids = torch.randint(0, vocab, shape, generator=g)
     return ids.to(setup.device), ids.to(setup.device)
 
@@ -133,7 +135,7 @@ def train(setup: Setup, config: fprep.PrepConfig, steps: int | None = None) -> l
     """Prepare a meta model with ``config`` and train it; the losses of each step."""
     state, model = fprep.prepare(build(setup.tiny), config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return run_steps(state, model, opt, batch(setup), steps or setup.steps)
+    return run_steps(state, model, opt, batch(setup, tp=config.tp), steps or setup.steps)
 
 
 def falls(losses: list[float]) -> Row | None:
@@ -226,12 +228,12 @@ def check_weights(setup: Setup) -> Row:
     )
 
 
-def check_checkpoints(setup: Setup, strategy: str = "none") -> Row:
+def check_checkpoints(setup: Setup, strategy: str = "none", tp: int = 1) -> Row:
     """Train 2 steps, save (sync), 1 step, save (wait=False), 2 more; a fresh model resumed from
     the second save takes exactly the same 2 steps."""
-    config = cfg(setup, precision="bf16", strategy=strategy)
-    root = setup.workdir / f"ckpt-{strategy}"
-    data = batch(setup)
+    config = cfg(setup, precision="bf16", strategy=strategy, tp=tp)
+    root = setup.workdir / f"ckpt-{strategy}-tp{tp}"
+    data = batch(setup, tp=tp)
 
     def run(state: Any, model: nn.Module, opt: Any, n: int) -> list[float]:
         return run_steps(state, model, opt, data, n)
@@ -360,6 +362,24 @@ def check_strategy(setup: Setup, strategy: str) -> Row:
     return bad or Row("", "ok", f"loss {losses[0]:.3f} -> {losses[-1]:.3f} on {setup.world} ranks")
 
 
+def check_tensor_parallel(setup: Setup) -> Row:
+    """tp 2 innermost, fsdp over the rest (none at 2 ranks): the losses fall, and the ranks of
+    each tp group compute the same loss (they feed the same batch; the loss is replicated)."""
+    if setup.world % TP:
+        return Row("", "skip", f"tp {TP} needs an even number of ranks, not {setup.world}")
+    strategy = "fsdp" if setup.world > TP else "none"
+    losses = train(setup, cfg(setup, precision="bf16", strategy=strategy, tp=TP))
+    every: list[Any] = [None] * setup.world
+    dist.all_gather_object(every, losses)
+    split = [r for r in range(setup.world) if every[r] != every[r - r % TP]]
+    if split:
+        return Row("", "FAIL", f"ranks {split} differ from their tp group's first rank")
+    bad = falls(losses)
+    layout = f"dp {setup.world // TP} x tp {TP}" if strategy == "fsdp" else f"tp {TP}"
+    return bad or Row("", "ok", f"{layout}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+TP = 2  # the tiny and the ~0.4B config both have kv heads that 2 divides
 PRECISIONS = (("fp32", "no"), ("bf16", "bf16"), ("fp16", "fp16"))
 
 
@@ -370,6 +390,11 @@ def checks(setup: Setup) -> list[tuple[str, Callable[[], Row]]]:
             for s in ("ddp", "fsdp", "hsdp")
         ]
         out.append(("checkpoint fsdp", lambda: check_checkpoints(setup, "fsdp")))
+        out.append(("train tp bf16", lambda: check_tensor_parallel(setup)))
+        if setup.world % TP == 0:
+            layout = "fsdp" if setup.world > TP else "none"
+            name = "checkpoint fsdp x tp" if layout == "fsdp" else "checkpoint tp"
+            out.append((name, lambda: check_checkpoints(setup, layout, TP)))
         return out
     return [
         *((f"train {n}", lambda p=p: check_precision(setup, p)) for n, p in PRECISIONS),

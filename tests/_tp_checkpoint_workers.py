@@ -98,5 +98,13 @@ def four_ranks(root: str) -> dict[str, Any]:
     for layout in ("dp4", "tp4"):
         out[f"sync/{layout}"] = loaded(base / "sync", layout)
     out["one/dp2_tp2"] = loaded(base / "one", "dp2_tp2")
+    # tp alone plans the strategy "none", yet each rank holds shards: saves are collective too
+    state, model, opt = prepared("tp4")
+    fprep.load(base / "sync", state, model, optimizers=opt)
+    train_step(state, model, opt, 2)
+    fprep.save(base / "by_tp4", state, model, optimizers=opt, step=2)
+    fprep.export_full(base / "by_tp4.safetensors", state, model)
+    out["tp4_trained"] = full_state(model, opt)
+    out["by_tp4/dp2_tp2"] = loaded(base / "by_tp4", "dp2_tp2")
     out["hf_trained"] = hf_save_pretrained(base / "hf")
     return {k: dump(v) for k, v in out.items()} if rank() == 0 else {}

@@ -45,3 +45,26 @@ def test_a_failing_check_is_a_row_and_exit_status_1(
     out = capsys.readouterr().out
     assert rc == 1
     assert "train fp16" in out and "FAIL" in out and "RuntimeError: boom" in out
+
+
+@pytest.mark.slow
+def test_two_ranks_through_torchrun_train_and_checkpoint_tensor_parallel() -> None:
+    """The several-GPU path on gloo: tp 2 trains (both ranks of the tp group see one loss) and
+    its checkpoint resumes bit-exactly (a tp-only save once ran on each rank alone)."""
+    import os
+    import subprocess
+
+    pytest.importorskip("transformers")
+    from fprep.testing.distributed import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), str(ROOT / "benchmarks" / "gpu_check.py")]
+    command += ["--device", "cpu", "--tiny", "--only", "tp"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("fprep GPU check") :]
+    rows = {line.split("  ")[0]: line for line in table.splitlines()[3:]}
+    assert set(rows) == {"train tp bf16", "checkpoint tp"}, table
+    assert all("  ok  " in row for row in rows.values()), table
+    assert "resume bit-exact" in rows["checkpoint tp"]

@@ -68,6 +68,19 @@ def test_async_save_holds_the_values_at_the_call(runs: dict[str, Any]) -> None:
     assert differences(runs["at_save"], runs["async/dp2_tp2"]) == []
 
 
+def test_tp_without_data_parallelism_saves_and_exports_collectively(
+    runs: dict[str, Any],
+) -> None:
+    """tp 4 alone (strategy "none"): every rank took part in the save (it loads at dp 2 x tp 2
+    bitwise) and in the export (full tensors, not rank 0's shards)."""
+    from safetensors.torch import load_file
+
+    assert differences(runs["tp4_trained"], runs["by_tp4/dp2_tp2"]) == []
+    full = load_file(str(Path(runs["root"]) / "by_tp4.safetensors"))
+    assert differences(runs["tp4_trained"]["model"], full) == []
+    assert differences(runs["at_save"]["model"], runs["tp4_trained"]["model"])  # it trained
+
+
 def test_export_full_writes_the_full_tensors(runs: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 

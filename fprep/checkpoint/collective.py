@@ -24,7 +24,8 @@ from fprep.state import PrepState
 
 @dataclass(frozen=True)
 class Group:
-    """Who takes part: the default process group when the plan is distributed, else nobody."""
+    """Who takes part: the default process group when the plan spans several processes (data
+    parallel, tensor parallel, or both), else nobody."""
 
     distributed: bool
     rank: int
@@ -33,9 +34,11 @@ class Group:
     @classmethod
     def of(cls, state: PrepState) -> Group:
         core = state.core
+        # tp without data parallelism plans the strategy "none", yet every rank holds a shard
+        tensor_parallel = state.extension is not None and state.extension.tensor_parallel
         if (
             core is not None
-            and core.is_distributed
+            and (core.is_distributed or tensor_parallel is not None)
             and dist.is_available()
             and dist.is_initialized()
         ):
