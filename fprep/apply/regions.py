@@ -1,8 +1,10 @@
 """Activation checkpointing and compilation, applied per wrap unit (a "region").
 
 Regions are the outermost non-root units (nested units would be recomputed or compiled twice);
-without a wrap policy the root is the one region. Checkpointing is torch's composable,
-non-reentrant ``checkpoint``: it adds hooks and keeps every FQN. Compilation uses
+without a wrap policy the root is the one region. Checkpointing runs each region's forward under
+torch's non-reentrant ``torch.utils.checkpoint.checkpoint`` (``fprep.apply.recompute`` says why
+not the composable API's hooks): an instance attribute, every FQN kept, and the same mechanism
+eager and compiled — dynamo compiles the recompute with the region. Compilation uses
 ``nn.Module.compile`` (in place, FQNs kept); each repeated block's code is compiled once and
 reused across instances. Order in the default pipeline: checkpointing, then regional compile,
 then sharding — the order torchtitan uses, so FSDP2's hooks wrap the compiled, checkpointed
@@ -17,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from fprep.apply.async_outputs import wait_outputs_of
+from fprep.apply.recompute import checkpoint_of, install_checkpoint
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.snapshot import is_within
@@ -38,12 +41,15 @@ def regions(state: PrepState) -> tuple[str, ...]:
 def checkpoint(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if not state.config.activation_checkpointing:
         return skipped(state, model)
-    from torch.distributed._composable.checkpoint_activation import (
-        checkpoint as composable_checkpoint,
-    )
-
     for fqn in regions(state):
-        composable_checkpoint(model.get_submodule(fqn))
+        module = model.get_submodule(fqn)
+        if checkpoint_of(module) is not None:
+            raise PrepareError(
+                f"module {fqn or '<root>'!r} is already checkpointed by fprep.",
+                subject=fqn,
+                hint="Prepare once; a custom pipeline should run the checkpoint step once.",
+            )
+        install_checkpoint(module)
     return state, model
 
 
