@@ -12,7 +12,8 @@ it, the recompute then runs eagerly through the compiled code and its tensors' m
 ``CheckpointError: Recomputed values ... have different metadata`` in fp32). Dynamo traces
 ``torch.utils.checkpoint.checkpoint`` as a higher-order op and compiles the recompute with the
 forward — what torchtitan gets from ``checkpoint_wrapper``; in eager it is the same non-reentrant
-checkpoint the composable API runs.
+checkpoint the composable API runs. (The one exception, regions compiled under tensor
+parallelism, is in ``fprep.apply.regions``.)
 
 Without gradients (``torch.no_grad``, evaluation, generation) there is no backward to recompute
 for, and the forward runs as it is. With them, a transformers layer that writes a KV cache
