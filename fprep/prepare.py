@@ -5,7 +5,7 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
 1. ``connect``            process group, N-D DeviceMesh (nothing for a single process)
 2. ``fp8``                the planned Linear layers become float8 ones (precision="fp8")
 3. ``parallelize``        tensor parallelism: ``parallelize_module`` on the tp sub-mesh (tp > 1)
-4. ``checkpoint``         activation checkpointing per region (composable, non-reentrant)
+4. ``checkpoint``         activation checkpointing per region (non-reentrant torch.utils.checkpoint)
 5. ``compile_regions``    regional ``torch.compile`` of the repeated blocks
 6. ``shard``              FSDP2 ``fully_shard`` per unit, then the root (fsdp, hsdp)
 7. ``materialize``        meta -> real, only this rank's shards (reproducible by default)

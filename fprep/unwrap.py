@@ -11,6 +11,9 @@
   the prepared module); a ``torch.compile``-d ``OptimizedModule`` stays one, over the copy.
 * Otherwise the model is returned as it is.
 
+A copy has no activation checkpointing (it only trades compute for memory in training); a model
+returned as it is keeps its own (``fprep.apply.recompute``).
+
 fprep's autocast wrapper is kept by default (``keep_autocast=True``), so evaluation computes in
 the same precision as training; pass ``False`` for a plain float32 model.
 """
@@ -18,12 +21,14 @@ the same precision as training; pass ``False`` for a plain float32 model.
 from __future__ import annotations
 
 import collections
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
 from fprep.apply.precision import AutocastForward
+from fprep.apply.recompute import CheckpointForward
 from fprep.collectives import collective
 from fprep.snapshot import PREPARED_ATTR
 from fprep.state import PrepState
@@ -59,7 +64,7 @@ def _original_class(module: nn.Module) -> type[nn.Module]:
 _DROPPED_HOOK_OWNERS = ("torch.distributed.fsdp", "torch.distributed._composable")
 #: ``__dict__`` entries that are preparation bookkeeping, not the user's.
 _DROPPED_ATTRS = frozenset({PREPARED_ATTR, "_fprep_compiled", "_is_fsdp_managed_module"})
-_DROPPED_PREFIXES = ("_fsdp", "__composable_api_state_key")  # FSDP, fully_shard / checkpoint state
+_DROPPED_PREFIXES = ("_fsdp", "__composable_api_state_key")  # FSDP, fully_shard's state
 
 
 def _hook_owner(hook: Any) -> str:
@@ -83,6 +88,21 @@ def _copy_hooks(
         else:
             kept[key] = hook
     return kept
+
+
+def _forward_of_copy(
+    forward: Any, original: nn.Module, copy: nn.Module, keep_autocast: bool
+) -> Any:
+    """The instance ``forward`` of the copy (None: its class's): fprep's wrappers call the
+    original, so autocast wraps the copy instead (or is dropped) and checkpointing is dropped."""
+    if isinstance(forward, CheckpointForward):
+        return _forward_of_copy(forward.inner, original, copy, keep_autocast)
+    if isinstance(forward, AutocastForward):
+        inner = _forward_of_copy(forward.inner, original, copy, keep_autocast)
+        return forward.rebound(copy, inner) if keep_autocast else inner
+    if isinstance(forward, types.MethodType) and forward.__self__ is original:
+        return types.MethodType(forward.__func__, copy)
+    return forward
 
 
 def _plain_copy(
@@ -123,14 +143,9 @@ def _plain_copy(
     attrs["_forward_hooks_always_called"] = collections.OrderedDict(
         (k, v) for k, v in always.items() if k in forward_hooks
     )
-    autocast = attrs.get("forward")
-    if isinstance(autocast, AutocastForward):  # it wraps the original: wrap the copy, or drop it
-        if keep_autocast:
-            attrs["forward"] = autocast.rebound(copy)
-        elif autocast.inner is None:
-            del attrs["forward"]
-        else:
-            attrs["forward"] = autocast.rebound(copy).inner
+    forward = _forward_of_copy(attrs.pop("forward", None), module, copy, keep_autocast)
+    if forward is not None:
+        attrs["forward"] = forward
     # Straight into __dict__: a class may redirect attribute writes (torch.compile's
     # OptimizedModule forwards them to the module it wraps, which is the original here).
     copy.__dict__.update(attrs)

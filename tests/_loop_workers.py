@@ -424,6 +424,8 @@ def unwrap_facts(state: fprep.PrepState, model: nn.Module) -> dict[str, Any]:
     """``fprep.unwrap`` of a trained model: classes, names, parameters, hooks, a forward."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from fprep.apply.recompute import checkpoint_of
+
     unwrapped = fprep.unwrap(state, model)
     full = full_params(model)
     sd = unwrapped.state_dict()
@@ -459,6 +461,7 @@ def unwrap_facts(state: fprep.PrepState, model: nn.Module) -> dict[str, Any]:
         "collectives_in_forward": collectives,
         "prepared_model_ran": len(fired),
         "is_ddp_module": unwrapped is getattr(model, "module", None),
+        "checkpointed": sum(checkpoint_of(m) is not None for m in unwrapped.modules()),
     }
 
 

@@ -355,10 +355,9 @@ def _case_result(state: fprep.PrepState, model: nn.Module, losses: list[float]) 
 
 
 def _is_checkpointed(module: nn.Module) -> bool:
-    from torch.distributed._composable import checkpoint
+    from fprep.apply.recompute import checkpoint_of
 
-    ac = checkpoint.state(module)
-    return ac is not None and bool(ac.enable_hook)
+    return checkpoint_of(module) is not None
 
 
 def train_interleaved(cases: dict[str, tuple[fprep.PrepConfig, str]]) -> dict[str, Any]:

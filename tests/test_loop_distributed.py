@@ -335,6 +335,7 @@ def test_unwrap_gives_plain_modules_of_the_original_classes(two: list[dict[str, 
         assert facts["tied"] is True, name  # lm_head.weight is wte.weight
         assert facts["values_equal"] is True, name  # the trained weights, gathered
         assert facts["collectives_in_forward"] == 0, name  # evaluating needs no other rank
+        assert facts["checkpointed"] == 0, name  # a copy has no activation checkpointing
         # DDP's .module is the trained module itself; an FSDP copy never runs the original
         assert (facts["prepared_model_ran"] > 0) is ddp, name
         assert facts["forward_max_diff"] <= 1e-6, name

@@ -467,7 +467,7 @@ def test_fp16_scales_the_loss() -> None:
 
 # -- activation checkpointing --------------------------------------------------------------------
 def test_activation_checkpointing_per_block_keeps_names_and_gradients() -> None:
-    from torch.distributed._composable import checkpoint
+    from fprep.apply.recompute import checkpoint_of
 
     plain = tiny_gpt(seed=SEED)
     names = [n for n, _ in plain.named_parameters(remove_duplicate=False)]
@@ -478,9 +478,9 @@ def test_activation_checkpointing_per_block_keeps_names_and_gradients() -> None:
     assert list(model.state_dict()) == keys
     assert type(model) is GPT and model.lm_head.weight is model.wte.weight
     for fqn, module in model.named_modules():
-        ac = checkpoint.state(module)
         expected = isinstance(module, GPTBlock)  # per unit, not the root, not inner modules
-        assert (ac is not None and ac.enable_hook) == expected, fqn
+        assert (checkpoint_of(module) is not None) == expected, fqn
+        assert not module._forward_hooks and not module._forward_pre_hooks, fqn
 
     calls = {"plain": 0, "checkpointed": 0}
 
@@ -502,17 +502,6 @@ def test_activation_checkpointing_per_block_keeps_names_and_gradients() -> None:
 
 
 # -- compilation ---------------------------------------------------------------------------------
-@pytest.fixture
-def dynamo() -> Iterator[Any]:
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    yield counters
-    torch._dynamo.reset()
-
-
 def test_regional_compile_compiles_each_block_once(dynamo: Any) -> None:
     reference = tiny_gpt(seed=SEED)
     cfg = PrepConfig(compile="regional", compile_backend="eager", wrap=GPTBlock)

@@ -74,6 +74,7 @@ def test_a_step_failing_after_others_rolls_the_model_back(compile_mode: str) -> 
         fprep.prepare(model, cfg, steps=steps_failing_before("mark_prepared"))
     assert_unchanged(model, before)
     assert "forward" not in vars(model) and not hasattr(model, "_fprep_prepared")
+    assert not any("forward" in vars(b) for b in model.blocks)  # checkpointing's too
 
     state, prepared = fprep.prepare(model, cfg)  # and it can be prepared again
     assert state.applied[-1] == "mark_prepared"

@@ -144,6 +144,21 @@ def test_regional_compile_under_tp_is_planned(checkpointing: bool) -> None:
     assert ext is not None and ext.tensor_parallel is not None
 
 
+@pytest.mark.parametrize(("compile", "hooks"), [("regional", True), ("none", False)])
+def test_checkpointing_keeps_the_composable_hooks_only_for_regions_compiled_under_tp(
+    compile: str, hooks: bool
+) -> None:
+    """dynamo's checkpoint op saves the DeviceMesh for backward over TP DTensors (AOTAutograd's
+    assertion at dp 2 x tp 2); eager checkpointing under tp and everything without tp use it
+    (the 4-rank cases below train both equal to one process)."""
+    from fprep.apply.regions import _hooks_under_tp
+
+    cfg = PrepConfig(strategy="fsdp", tp=2, compile=compile, wrap="LlamaBlock")
+    assert _hooks_under_tp(plan(llama_tiny("meta"), cfg)) is hooks
+    one = fprep.plan(llama_tiny("meta"), PrepConfig(compile="regional", wrap="LlamaBlock")).unwrap()
+    assert _hooks_under_tp(one) is False
+
+
 # -- training at 4 ranks (gloo): every feature on dp 2 x tp 2, sequence parallelism -----------
 def _compose_and_sequence() -> dict[str, Any]:
     return {"compose": C.four_ranks(), "sequence": S.run(4), "regional": C.regional(4)}

@@ -16,7 +16,6 @@ for float8 ones; this step adds bf16 autocast around the whole forward, as for b
 
 from __future__ import annotations
 
-import types
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -71,12 +70,11 @@ class AutocastForward:
                 out = type(self.module).forward(self.module, *args, **kwargs)
         return outputs_to_fp32(out)
 
-    def rebound(self, module: nn.Module) -> AutocastForward:
-        """The same wrapper over ``module`` (a copy of the one this wraps)."""
+    def rebound(self, module: nn.Module, inner: Any) -> AutocastForward:
+        """The same wrapper over ``module`` (a copy of the one this wraps) and its ``inner``
+        forward (the caller's copy of this one's)."""
         copy = AutocastForward.__new__(AutocastForward)
-        copy.__dict__.update(self.__dict__, module=module)
-        if isinstance(self.inner, types.MethodType) and self.inner.__self__ is self.module:
-            copy.inner = types.MethodType(self.inner.__func__, module)
+        copy.__dict__.update(self.__dict__, module=module, inner=inner)
         return copy
 
     def __repr__(self) -> str:

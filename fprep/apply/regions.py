@@ -1,13 +1,17 @@
 """Activation checkpointing and compilation, applied per wrap unit (a "region").
 
 Regions are the outermost non-root units (nested units would be recomputed or compiled twice);
-without a wrap policy the root is the one region. Checkpointing is torch's composable,
-non-reentrant ``checkpoint``: it adds hooks and keeps every FQN. Compilation uses
-``nn.Module.compile`` (in place, FQNs kept); each repeated block's code is compiled once and
-reused across instances. Order in the default pipeline: checkpointing, then regional compile,
-then sharding — the order torchtitan uses, so FSDP2's hooks wrap the compiled, checkpointed
-blocks. Under tensor parallelism, the outputs of the parallelized modules outside the regions
-are waited for before they enter one (``fprep.apply.async_outputs`` says why).
+without a wrap policy the root is the one region. Checkpointing runs each region's forward under
+torch's non-reentrant ``torch.utils.checkpoint.checkpoint`` (``fprep.apply.recompute`` says why
+not the composable API's hooks): an instance attribute, every FQN kept, and the same mechanism
+eager and compiled — dynamo compiles the recompute with the region. One exception, a torch
+bug: regions compiled under tensor parallelism keep the composable API's hooks
+(``_hooks_under_tp``). Compilation uses ``nn.Module.compile`` (in place, FQNs kept); each
+repeated block's code is compiled once and reused across instances. Order in the default
+pipeline: checkpointing, then regional compile, then sharding — the order torchtitan uses, so
+FSDP2's hooks wrap the compiled, checkpointed blocks. Under tensor parallelism, the outputs of
+the parallelized modules outside the regions are waited for before they enter one
+(``fprep.apply.async_outputs`` says why).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from fprep.apply.async_outputs import wait_outputs_of
+from fprep.apply.recompute import checkpoint_of, install_checkpoint
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
 from fprep.snapshot import is_within
@@ -34,16 +39,37 @@ def regions(state: PrepState) -> tuple[str, ...]:
     return tuple(outer) or ("",)
 
 
+def _hooks_under_tp(state: PrepState) -> bool:
+    """Regions compiled over tensor-parallel DTensors keep torch's composable checkpoint
+    (hooks; tested equal to eager there): dynamo's checkpoint op saves the DeviceMesh among the
+    tensors for backward (AOTAutograd: "expected all tensors_saved_with_vc_check to be
+    Tensors", torch 2.13, fsdp 2 x tp 2)."""
+    extension = state.extension
+    tps = extension.tensor_parallel if extension is not None else None
+    return tps is not None and state.config.compile == "regional"
+
+
 @step("checkpoint")
 def checkpoint(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     if not state.config.activation_checkpointing:
         return skipped(state, model)
-    from torch.distributed._composable.checkpoint_activation import (
-        checkpoint as composable_checkpoint,
-    )
+    if _hooks_under_tp(state):
+        from torch.distributed._composable.checkpoint_activation import (
+            checkpoint as composable_checkpoint,
+        )
 
+        for fqn in regions(state):
+            composable_checkpoint(model.get_submodule(fqn))
+        return state, model
     for fqn in regions(state):
-        composable_checkpoint(model.get_submodule(fqn))
+        module = model.get_submodule(fqn)
+        if checkpoint_of(module) is not None:
+            raise PrepareError(
+                f"module {fqn or '<root>'!r} is already checkpointed by fprep.",
+                subject=fqn,
+                hint="Prepare once; a custom pipeline should run the checkpoint step once.",
+            )
+        install_checkpoint(module)
     return state, model
 
 

@@ -3,17 +3,19 @@
 The plan rejects everything it can before any effect. What it cannot foresee — a user's
 ``reset_parameters`` raising halfway through ``materialize``, a custom step failing after
 ``shard``, an out-of-memory error in ``place`` — happens after some steps have changed the
-model in place: FSDP2 swapped classes and replaced parameters by DTensors, checkpointing and
-compile registered hooks and state, autocast replaced ``forward``, ``place`` moved tensors.
+model in place: FSDP2 swapped classes and replaced parameters by DTensors, compile set
+``_compiled_call_impl``, checkpointing and autocast replaced ``forward`` (instance attributes),
+``place`` moved tensors.
 
 ``Rollback.of(model)`` records, in one walk and without copying any tensor data, what those
 effects touch: every module's class and ``__dict__`` (its parameter, buffer, child and hook
 dicts and its set of non-persistent buffer names copied, so that the entries, not just the
 containers, are restored) and every parameter's and
 buffer's tensor (``Module.to`` swaps ``param.data`` in place) with its own attributes (FSDP2
-marks parameters with ``_fsdp_orig_uid``). ``restore()`` puts all of it back
-and forgets the composable-API state (``fully_shard``, ``checkpoint``) that torch keeps for the
-modules outside them, so that the restored model can be prepared again.
+marks parameters with ``_fsdp_orig_uid``). ``restore()`` puts all of it back (an instance
+``forward`` a step added goes with the rest of ``__dict__``) and forgets the composable-API
+state (``fully_shard``'s) that torch keeps for the modules outside them, so that the restored
+model can be prepared again.
 
 Not rolled back: values written into the model's own storage by a collective — DDP's and
 ``fast_ddp``'s broadcast from rank 0 overwrite the other ranks' parameters in place (they then
