@@ -175,9 +175,11 @@ def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
     if compile_mode == "whole" and checkpointing:
         raise ConfigError(
             f"compile='whole' with activation_checkpointing and tp={tp} fails inside torch "
-            f"{torch_version}: AOTAutograd raises 'Mixing fake modes NYI' at the vocabulary-"
-            "parallel embedding, whose _MaskPartial placement keeps its mask tensor outside the "
-            "trace (torch 2.13.0 and 2.15.0; benchmarks/tp_compile_repro.py, plain torch).",
+            f"{torch_version}: the checkpoint op saves the DeviceMesh for backward "
+            "(AOTAutograd: 'expected all tensors_saved_with_vc_check to be Tensors'), and with "
+            "torch's composable checkpoint instead AOTAutograd raises 'Mixing fake modes NYI' at "
+            "the vocabulary-parallel embedding, whose _MaskPartial placement keeps its mask "
+            "outside the trace (torch 2.13.0 and 2.15.0; benchmarks/tp_compile_repro.py).",
             subject="compile",
             hint="Drop one of them: compile='whole' without checkpointing, or checkpointing "
             "without compile (both tested equal to eager under tp), or compile='regional' "
