@@ -129,13 +129,18 @@ def _scales(model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def train(name: str) -> dict[str, Any]:
+def prepared(name: str, seed: int = W.SEED) -> tuple[PrepState, nn.Module, torch.optim.Optimizer]:
+    """fprep's tiny Llama and AdamW prepared as run ``name`` (with the fp8 plan of a CUDA rank)."""
     fields, fp8 = RUNS[name]
-    options = Fp8Options(**fp8)
-    model = W.build("fprep_llama")
+    model = W.build("fprep_llama", seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = (cpu_fp8_plan(options), *fprep.default_steps())
-    state, model, opt = fprep.prepare(model, fprep.PrepConfig(**fields), opt, steps=steps)
+    steps = (cpu_fp8_plan(Fp8Options(**fp8)), *fprep.default_steps())
+    return fprep.prepare(model, fprep.PrepConfig(**fields), opt, steps=steps)
+
+
+def train(name: str) -> dict[str, Any]:
+    state, model, opt = prepared(name)
+    options = Fp8Options(**RUNS[name][1])
     dp_rank, dp = _dp_rank(state)
     per = W.GLOBAL_BATCH // dp
     mine = slice(dp_rank * per, (dp_rank + 1) * per)

@@ -33,11 +33,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 MODELS = ("fprep_llama", "hf_llama", "hf_qwen2")
 
 
-def build(name: str) -> nn.Module:
-    torch.manual_seed(SEED)
+def build(name: str, seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
     if name == "fprep_llama":  # four kv heads: tp 4 divides them
         cfg = LlamaConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=VOCAB)
-        return llama(cfg, "cpu", seed=SEED)
+        return llama(cfg, "cpu", seed=seed)
     from transformers import (
         LlamaConfig as HFLlamaConfig,
     )

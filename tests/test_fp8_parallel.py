@@ -10,6 +10,8 @@ from typing import Any
 import _fp8_workers as F
 import _tp_workers as W
 import pytest
+import torch
+from _checkpoint_workers import undump
 
 import fprep
 from fprep import ConfigError, PrepConfig, Topology
@@ -172,3 +174,58 @@ def test_float8_all_gather_uses_the_scales_optimizer_step_precomputed(
         assert out["casts"] == (len(F.FLOAT8), 0)
         tol = 1e-6 if ranks == 2 else GATHER_UNDER_TP_TOLERANCE
         assert out["losses"] == pytest.approx(other["losses"], abs=tol)
+
+
+# -- checkpoints of float8 all-gather weights (torchao, emulated; gloo) -------------------------
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import _fp8_checkpoint_workers as C
+
+    root = tmp_path_factory.mktemp("fp8_ckpt")
+    outs = run_ranks(C.round_trip, 2, str(root), timeout_s=900)
+    return {"root": root, "ranks": outs, "at_save": undump(outs[0]["at_save"])}
+
+
+def _assert_bitwise(got: Any, expected: Any, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and type(got) is torch.Tensor, where
+        assert got.dtype == expected.dtype and torch.equal(got, expected), where
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys(), where
+        for k in expected:
+            _assert_bitwise(got[k], expected[k], f"{where}.{k}")
+    else:
+        assert got == expected, where
+
+
+@needs_torchao
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_float8_all_gather_checkpoint_round_trip(checkpointed: dict[str, Any], mode: str) -> None:
+    """save (sync, and wait=False with the weights stepped right after the call) and load into
+    a fresh model of another seed: parameters and AdamW state bitwise those at the save; load
+    precomputed each float8 weight's scale from the loaded weights (not the fresh model's); the
+    next step's loss equals the original run's second step exactly."""
+    at_save = checkpointed["at_save"]
+    for out in checkpointed["ranks"]:
+        assert "WeightWithDynamicFloat8CastTensor" in out["kinds"]
+        got = out[mode]
+        _assert_bitwise(undump(got["state"]), at_save, mode)
+        for fqn, (pre, expected, kind) in got["scales"].items():
+            assert kind == "WeightWithDynamicFloat8CastTensor"
+            assert pre is not None and pre == pytest.approx(expected, rel=1e-6), fqn
+            assert expected != pytest.approx(got["scales_before"][fqn][1], rel=1e-3), fqn
+        assert got["loss"] == out["loss"]
+
+
+@needs_torchao
+def test_export_full_of_float8_all_gather_weights_is_plain(checkpointed: dict[str, Any]) -> None:
+    """export_full writes each parameter as a plain full tensor, equal to the model's."""
+    from safetensors.torch import load_file
+
+    exported = load_file(str(checkpointed["root"] / "full.safetensors"))
+    model = checkpointed["at_save"]["model"]
+    assert exported.keys() == model.keys()
+    for fqn, value in model.items():
+        tensor = exported[fqn]
+        assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, fqn
+        assert torch.equal(tensor, value), fqn

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.format.files import os_failure
-from fprep.checkpoint.format.storage import byte_view, progress
+from fprep.checkpoint.format.storage import byte_view, plain, progress
 from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.stores.backend import is_url
 from fprep.checkpoint.stores.sink import Sink, open_sink
@@ -197,12 +197,12 @@ def _pieces(value: torch.Tensor, buffers: _Buffers) -> Any:
 
     plan = _dim0_group(value)
     if plan is None:
-        yield value.full_tensor() if hasattr(value, "full_tensor") else value
+        yield plain(value.full_tensor() if hasattr(value, "full_tensor") else value)
         return
     group, size, dst, with_rank0 = plan
     if not with_rank0:  # another HSDP replica holds the same shards: nothing to send
         return
-    local = value.to_local()  # type: ignore[attr-defined]
+    local = plain(value.to_local())  # type: ignore[attr-defined]  # float8 all-gather wrapper
     n = value.shape[0]
     rows = -(-n // size) if n else 0  # rows of every (padded) shard: torch.chunk semantics
     padded = local.contiguous()

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fprep.checkpoint.format import metadata as md_json
 from fprep.checkpoint.format.files import (
@@ -131,8 +132,26 @@ def _little_endian() -> None:
         )
 
 
+def is_wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a wrapper subclass: its ``data_ptr`` is no memory of its values."""
+    return bool(is_traceable_wrapper_subclass(t))  # (a bool: no type narrowing of ``t``)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: a wrapper subclass (torchao's float8 all-gather weight,
+    WeightWithDynamicFloat8CastTensor) has no storage of its own, and its ops rewrap their
+    results, so its values are copied out (``copy_`` into a plain tensor)."""
+    if not is_wrapper(t):
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (keep ``t`` alive while used)."""
+    if is_wrapper(t):
+        raise TypeError(f"byte_view of a {type(t).__name__}: take plain(t) first")
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -330,7 +349,7 @@ class SafeWriter(StorageWriter):
             raise CheckpointError(
                 f"checkpoint entry {item.index.fqn!r} is not a tensor.", subject=item.index.fqn
             )
-        t = data.detach().to("cpu").contiguous()
+        t = plain(data.detach()).to("cpu").contiguous()
         if tuple(t.shape) != tuple(item.tensor_data.chunk.sizes):
             raise CheckpointError(
                 f"checkpoint entry {item.index.fqn!r}: DCP planned a chunk of "
@@ -681,6 +700,7 @@ class SafeReader(StorageReader):
             and target.device.type == "cpu"
             and target.dtype == dtype
             and target.is_contiguous()
+            and not is_wrapper(target)  # float8 all-gather weights: copy_ into their inner tensor
         ):
             first, count = span
             if count:
