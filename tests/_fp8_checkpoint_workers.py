@@ -62,7 +62,11 @@ def round_trip(root: str) -> dict[str, Any]:
     handle = fprep.save(base / "async", state, model, optimizers=opt, step=1, wait=False)
     loss = _step(state, model, opt, 1)  # changes every weight while the save is in flight
     handle.wait()
+    # weights= from the export, read into the float8 weights' wrappers by prepare's load step
+    state, model, opt = F.prepared(RUN, seed=W.SEED + 2, weights=str(base / "full.safetensors"))
+    loaded = full_state(model, opt)["model"]
     return {
+        "weights": dump(loaded) if rank() == 0 else b"",
         "at_save": dump(at_save) if rank() == 0 else b"",
         "kinds": kinds,
         "loss": loss,

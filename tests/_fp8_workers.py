@@ -129,13 +129,16 @@ def _scales(model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def prepared(name: str, seed: int = W.SEED) -> tuple[PrepState, nn.Module, torch.optim.Optimizer]:
-    """fprep's tiny Llama and AdamW prepared as run ``name`` (with the fp8 plan of a CUDA rank)."""
+def prepared(
+    name: str, seed: int = W.SEED, **more: Any
+) -> tuple[PrepState, nn.Module, torch.optim.Optimizer]:
+    """fprep's tiny Llama and AdamW prepared as run ``name`` (with the fp8 plan of a CUDA rank);
+    ``more``: further PrepConfig fields."""
     fields, fp8 = RUNS[name]
     model = W.build("fprep_llama", seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     steps = (cpu_fp8_plan(Fp8Options(**fp8)), *fprep.default_steps())
-    return fprep.prepare(model, fprep.PrepConfig(**fields), opt, steps=steps)
+    return fprep.prepare(model, fprep.PrepConfig(**fields, **more), opt, steps=steps)
 
 
 def train(name: str) -> dict[str, Any]:

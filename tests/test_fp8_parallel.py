@@ -218,6 +218,17 @@ def test_float8_all_gather_checkpoint_round_trip(checkpointed: dict[str, Any], m
 
 
 @needs_torchao
+def test_weights_load_into_float8_all_gather_weights(checkpointed: dict[str, Any]) -> None:
+    """``weights=`` (the export above) into a fresh model whose float8 weights torchao wraps:
+    every value lands in the wrapped weights (saving them once read the wrapper's data_ptr)."""
+    loaded = undump(checkpointed["ranks"][0]["weights"])
+    model = checkpointed["at_save"]["model"]
+    assert loaded.keys() == model.keys()
+    for fqn, value in model.items():
+        assert torch.equal(loaded[fqn], value), fqn
+
+
+@needs_torchao
 def test_export_full_of_float8_all_gather_weights_is_plain(checkpointed: dict[str, Any]) -> None:
     """export_full writes each parameter as a plain full tensor, equal to the model's."""
     from safetensors.torch import load_file
