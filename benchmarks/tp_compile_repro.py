@@ -7,7 +7,6 @@ at 4 2: loss off by 2.6e-3, gradients by 1e-2 (torch 2.13.0, 2.15.0).
 """
 
 import os
-import sys
 import traceback
 
 import torch
@@ -177,8 +176,19 @@ def rank(r, world, tp, mode, port, q):
         dist.destroy_process_group()
 
 
-def main():
-    world, tp, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+MODES = ("eager", "regional", "regional_wait", "whole", "whole_ac")
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("world", nargs="?", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("tp", nargs="?", type=int, default=2, help="tp size (default 2)")
+    parser.add_argument("mode", nargs="?", choices=MODES, default="regional")
+    parser.add_argument("--quick", action="store_true", help="2 ranks, tp 2 (the defaults)")
+    args = parser.parse_args(argv)
+    world, tp, mode = (2, 2, args.mode) if args.quick else (args.world, args.tp, args.mode)
     torch.manual_seed(0)
     ref_losses, ref_g = train(Net(), 1, 0)
     import socket
