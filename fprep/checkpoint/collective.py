@@ -35,10 +35,10 @@ class Group:
     def of(cls, state: PrepState) -> Group:
         core = state.core
         # tp without data parallelism plans the strategy "none", yet every rank holds a shard
-        tensor_parallel = state.extension is not None and state.extension.tensor_parallel
+        tps = state.extension.tensor_parallel if state.extension is not None else None
         if (
             core is not None
-            and (core.is_distributed or tensor_parallel is not None)
+            and (core.is_distributed or tps is not None)
             and dist.is_available()
             and dist.is_initialized()
         ):
