@@ -19,8 +19,9 @@ training from meta in fp32 / bf16 / fp16 (the loss falls); regional and whole co
 activation checkpointing (the first loss matches eager bf16); ``weights=`` from a bf16
 ``save_pretrained`` directory (bit-equal to ``from_pretrained``) and its time against
 ``from_pretrained(device_map=...)``; a synchronous and a ``wait=False`` checkpoint with a
-bit-exact resume; fp8 against torchao's hand conversion of the same modules (CUDA with torchao);
-the bf16 step time against hand-written torch and against Accelerate (when importable).
+bit-exact resume; the stall of a ``wait=False`` save against a synchronous one; fp8 against
+torchao's hand conversion of the same modules (CUDA with torchao); the bf16 step time against
+hand-written torch and against Accelerate (when importable).
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def check_compile(setup: Setup, mode: str) -> Row:
     )
     graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
+    recompiles = sum(counters["recompiles"].values())
     bad = falls(compiled)
     diff = abs(compiled[0] - eager[0])
     if bad is None and diff > 0.05:
@@ -180,7 +182,7 @@ def check_compile(setup: Setup, mode: str) -> Row:
         "",
         "ok",
         f"loss {compiled[0]:.3f} -> {compiled[-1]:.3f} (eager {eager[0]:.3f}); "
-        f"{graphs} graph(s), {breaks} graph break(s)",
+        f"{graphs} graph(s), {breaks} graph break(s), {recompiles} recompile(s)",
     )
 
 
@@ -243,9 +245,31 @@ def check_weights(setup: Setup) -> Row:
     )
 
 
+def _values(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Host copies of this rank's parameters, buffers and optimizer state (local shards)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
+
+    out = {f"model.{k}": local(v) for k, v in model.state_dict().items()}
+    for i, per_param in opt.state_dict()["state"].items():
+        out.update({f"opt.{i}.{k}": local(v) for k, v in per_param.items() if torch.is_tensor(v)})
+    return out
+
+
+def _first_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
+    if got.keys() != want.keys():
+        return f"keys differ: {sorted(got.keys() ^ want.keys())[:3]}"
+    return next((k for k in want if not torch.equal(got[k], want[k])), None)
+
+
 def check_checkpoints(setup: Setup, strategy: str = "none", tp: int = 1) -> Row:
-    """Train 2 steps, save (sync), 1 step, save (wait=False), 2 more; a fresh model resumed from
-    the second save takes exactly the same 2 steps."""
+    """Train 2 steps, save (sync), 1 step, save (wait=False) and train 2 more while it writes; a
+    fresh model loaded from each save holds bit for bit the values of the call (parameters and
+    AdamW state), and the first resumed step's loss is the original's exactly. (The later
+    steps are compared to 1e-4 relative on a GPU: two identical runs there differ from their
+    second step on — seen on an H100, torch 2.11: 1.7e-5 relative after one step, with flash or
+    math attention — as the backward's kernels accumulate with atomics; on a CPU, exactly.)"""
     config = cfg(setup, precision="bf16", strategy=strategy, tp=tp)
     root = setup.workdir / f"ckpt-{strategy}-tp{tp}"
     data = batch(setup, tp=tp)
@@ -256,19 +280,75 @@ def check_checkpoints(setup: Setup, strategy: str = "none", tp: int = 1) -> Row:
     state, model = fprep.prepare(build(setup.tiny), config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run(state, model, opt, 2)
+    at_sync = _values(model, opt)
     fprep.save(root / "sync", state, model, optimizers=opt, step=2)
     run(state, model, opt, 1)
+    at_async = _values(model, opt)
     handle = fprep.save(root / "async", state, model, optimizers=opt, step=3, wait=False)
     expected = run(state, model, opt, 2)  # overlaps the background write
     handle.wait()
     state2, model2 = fprep.prepare(build(setup.tiny), config)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     fprep.load(root / "async", state2, model2, optimizers=opt2)
+    wrong = _first_difference(_values(model2, opt2), at_async)
+    if wrong is not None:
+        return Row("", "FAIL", f"wait=False save: {wrong} differs from its value at the call")
     resumed = run(state2, model2, opt2, 2)
-    if resumed != expected:
+    tol = 0.0 if setup.device == "cpu" else 1e-4
+    pairs = list(zip(resumed, expected, strict=True))
+    if resumed[0] != expected[0] or any(abs(r - e) > tol * abs(e) for r, e in pairs):
         return Row("", "FAIL", f"resume {resumed} != {expected}")
     fprep.load(root / "sync", state2, model2, optimizers=opt2)
-    return Row("", "ok", f"sync + wait=False saved; resume bit-exact ({resumed[-1]:.4f})")
+    wrong = _first_difference(_values(model2, opt2), at_sync)
+    if wrong is not None:
+        return Row("", "FAIL", f"sync save: {wrong} differs from its value at the call")
+    drift = max(abs(r - e) for r, e in pairs)
+    return Row(
+        "",
+        "ok",
+        f"sync + wait=False: every value bit-equal at load; first resumed loss exact, "
+        f"then within {drift:.1e} ({resumed[-1]:.4f})",
+    )
+
+
+def check_async_stall(setup: Setup) -> Row:
+    """How long ``save(wait=False)`` holds the training loop, against a synchronous save of the
+    same state: on a GPU the copies to pinned host buffers are enqueued on a side stream, so the
+    stall is the time to enqueue; "copy left" is how long the device still copied after the
+    call returned (the time a synchronous device-to-host copy would have added to the stall).
+    The first asynchronous save also allocates the pinned buffers; the later ones reuse them."""
+    state, model = fprep.prepare(build(setup.tiny), cfg(setup, precision="bf16"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batch(setup)
+    run_steps(state, model, opt, data, 1)  # optimizer state exists
+    root = setup.workdir / "stall"
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes += sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    _, sync_s = _timed(setup, lambda: fprep.save(root / "sync", state, model, optimizers=opt))
+    stalls, left = [], []
+    for i in range(4):
+        run_steps(state, model, opt, data, 1)
+        _sync(setup)
+        start = time.perf_counter()
+        handle = fprep.save(root / f"async{i}", state, model, optimizers=opt, wait=False)
+        stalls.append(time.perf_counter() - start)
+        returned = time.perf_counter()
+        _sync(setup)  # the copies still running on the device
+        left.append(time.perf_counter() - returned)
+        handle.wait()
+    later = statistics.median(stalls[1:])
+    return Row(
+        "",
+        "ok",
+        f"{nbytes / 1e9:.2f} GB; sync save {sync_s:.2f} s; wait=False stall {later * 1e3:.0f} ms "
+        f"({later / sync_s:.3f}x; first {stalls[0] * 1e3:.0f} ms, allocating pinned buffers), "
+        f"copy left after the call {statistics.median(left[1:]) * 1e3:.0f} ms",
+    )
 
 
 def _hand_bf16(setup: Setup) -> Callable[[], None]:
@@ -417,6 +497,7 @@ def checks(setup: Setup) -> list[tuple[str, Callable[[], Row]]]:
         ("compile whole + AC", lambda: check_compile(setup, "whole")),
         ("weights= (bf16 files)", lambda: check_weights(setup)),
         ("checkpoints", lambda: check_checkpoints(setup)),
+        ("async save stall", lambda: check_async_stall(setup)),
         ("step vs torch / accelerate", lambda: check_step_ratio(setup)),
         ("fp8 vs torchao by hand", lambda: check_fp8(setup)),
     ]

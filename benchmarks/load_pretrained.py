@@ -10,7 +10,8 @@ model with ``weights=dir``, the page-cache read bandwidth of the files (parallel
 into one pinned buffer per thread) against ``fprep.weights.pipeline.pour``'s (files to device
 parameters, every copy done), and the device memory ``pour`` added beyond the parameters
 (bound: two chunk buffers). ``measure_device(directory, device, rounds)`` returns these
-figures as a dict for ``benchmarks/gpu_check.py``.
+figures as a dict. ``--size 3b`` (with ``--device``) loads the issue's 3.0B Llama instead
+(6.0 GB of files; built on the device, about a minute in all on an H100).
 
 ``--tp 2``: fprep loads into a tensor-parallel layout instead (tp 2 over the two ranks: each
 reads its colwise rows and rowwise column runs, ``fprep.weights.blocks``); same bound.
@@ -64,27 +65,45 @@ FULL = {
     "vocab_size": 32000,
 }
 QUICK = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "vocab_size": 4096}
+#: The issue's 3B case (device mode, ``--size 3b``): Llama-3.2-3B's layer shapes (hidden 3072,
+#: 28 layers, MLP 8192, 24 query / 8 key-value heads), a 32000 vocabulary, untied: 3.0B
+#: parameters, 6.0 GB of bfloat16 files, 12 GB of float32 parameters on the device.
+THREE_B = {
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 28,
+    "vocab_size": 32000,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+}
 
 
-def config(quick: bool) -> Any:
+def config(quick: bool, size: str | None = None) -> Any:
+    """The checkpoint's config: ``--quick``'s, the default, or ``size="3b"``."""
     from transformers import LlamaConfig
 
+    if size == "3b":
+        return LlamaConfig(**THREE_B, tie_word_embeddings=False)
     sizes = QUICK if quick else FULL
     return LlamaConfig(num_attention_heads=16, num_key_value_heads=16, **sizes)
 
 
-def save(directory: Path, quick: bool) -> int:
-    """Write the checkpoint (built in bfloat16, so the parent never holds a float32 copy)."""
+def save(directory: Path, quick: bool, size: str | None = None, device: str = "cpu") -> int:
+    """Write the checkpoint (built in bfloat16, so the parent never holds a float32 copy; on
+    ``device`` when given: initializing 3B parameters on a GPU takes a second, on a CPU a
+    minute)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = LlamaForCausalLM(config(quick))
+        with torch.device(device):
+            model = LlamaForCausalLM(config(quick, size))
     finally:
         torch.set_default_dtype(default)
-    model.save_pretrained(directory, max_shard_size="2MB" if quick else "100MB")
+    shard = "2MB" if quick and size is None else "100MB" if size is None else "2GB"
+    model.save_pretrained(directory, max_shard_size=shard)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -217,7 +236,9 @@ def _pour_files(directory: Path, device: torch.device) -> dict[str, float]:
     }
 
 
-def _load_on(variant: str, directory: Path, device: torch.device, quick: bool) -> float:
+def _load_on(
+    variant: str, directory: Path, device: torch.device, quick: bool, size: str | None = None
+) -> float:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     _sync(device)
@@ -227,7 +248,7 @@ def _load_on(variant: str, directory: Path, device: torch.device, quick: bool) -
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **where)
     else:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config(quick))
+            model = LlamaForCausalLM(config(quick, size))
         cfg = fprep.PrepConfig(device=str(device), weights=str(directory))
         _, model = fprep.prepare(model, cfg)
     _sync(device)
@@ -237,19 +258,19 @@ def _load_on(variant: str, directory: Path, device: torch.device, quick: bool) -
 
 
 def measure_device(
-    directory: Path, device: str, rounds: int = 3, quick: bool = False
+    directory: Path, device: str, rounds: int = 3, quick: bool = False, size: str | None = None
 ) -> dict[str, float]:
     """The device figures (module docstring) for a checkpoint ``save`` wrote; medians."""
     from fprep.weights.pipeline import default_readers
 
     dev = torch.device(device)
-    _load_on("fprep", directory, dev, quick)  # first-use imports and the page cache
-    _load_on("hf", directory, dev, quick)
+    _load_on("fprep", directory, dev, quick, size)  # first-use imports and the page cache
+    _load_on("hf", directory, dev, quick, size)
     runs: dict[str, list[float]] = {"hf": [], "fprep": [], "read_gbps": [], "pour_gbps": []}
     pours = []
     for _ in range(rounds):
         for variant in ("hf", "fprep"):
-            runs[variant].append(_load_on(variant, directory, dev, quick))
+            runs[variant].append(_load_on(variant, directory, dev, quick, size))
         runs["read_gbps"].append(_read_bandwidth(directory, dev, default_readers(dev)))
         pours.append(_pour_files(directory, dev))
         runs["pour_gbps"].append(pours[-1]["pour_gbps"])
@@ -262,12 +283,18 @@ def measure_device(
     return out
 
 
-def main_device(device: str, quick: bool, rounds: int) -> None:
+def main_device(device: str, quick: bool, rounds: int, size: str | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        n = save(directory, quick)
-        print(f"checkpoint: {n / 1e6:.1f}M parameters, bfloat16 -> float32 on {device}")
-        r = measure_device(directory, device, rounds, quick)
+        n = save(directory, quick, size, device)
+        if device != "cpu":  # the source model's memory back before anything is measured
+            torch.accelerator.empty_cache()
+        files = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        print(
+            f"checkpoint: {n / 1e6:.1f}M parameters, {files / 1e9:.2f} GB of bfloat16 files "
+            f"-> float32 on {device}"
+        )
+        r = measure_device(directory, device, rounds, quick, size)
     print(f"from_pretrained(device_map={device!r}): {r['hf']:.2f} s; fprep: {r['fprep']:.2f} s")
     print(f"fprep / hf: {r['ratio']:.2f} (goal <= 0.5)")
     print(
@@ -286,10 +313,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--device", default=None, help="an accelerator: one process onto it")
     parser.add_argument("--tp", type=int, default=1, choices=(1, WORLD), help="fprep's tp")
+    parser.add_argument(
+        "--size", choices=("3b",), default=None, help="with --device: the 3.0B Llama checkpoint"
+    )
     args = parser.parse_args(argv)
+    if args.size is not None and args.device is None:
+        parser.error("--size 3b measures one process on a device: give --device too")
     rounds = args.rounds or (1 if args.quick else 3)
     if args.device is not None:
-        main_device(args.device, args.quick, rounds)
+        main_device(args.device, args.quick, rounds, args.size)
         return
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)

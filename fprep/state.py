@@ -425,6 +425,11 @@ class PrepState:
         return self.inputs.topology
 
     @property
+    def tensor_parallel(self) -> TensorParallelState | None:
+        """The planned tensor parallelism; ``None`` without it (or before ``init_extension``)."""
+        return self.extension.tensor_parallel if self.extension is not None else None
+
+    @property
     def is_complete(self) -> bool:
         return all(getattr(self, name) is not None for name in SUBSTATES)
 

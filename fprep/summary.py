@@ -53,8 +53,7 @@ def summarize(state: PrepState) -> str:
             lines += _fp8_lines(prec.fp8_plan)
     if state.process_group is not None:
         pg = state.process_group
-        ext = state.extension
-        tps = ext.tensor_parallel if ext is not None else None
+        tps = state.tensor_parallel
         dims = (tps.mesh_dim_names, tps.mesh_shape) if tps else (pg.mesh_dim_names, pg.mesh_shape)
         names = "x".join(f"{n}={s}" for n, s in zip(*dims, strict=True))
         lines.append(f"  mesh        {names}, shard group of {pg.shard_size}")

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
+from _tiny_transformers import VOCAB, tiny_llama
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -27,22 +28,9 @@ import fprep
 from fprep.apply.recompute import CheckpointForward, checkpoint_of
 from fprep.testing.models import GPT, GPTBlock, lm_loss, tiny_gpt
 
-VOCAB = 256
-
 
 def _llama() -> tf.LlamaForCausalLM:
-    cfg = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        vocab_size=VOCAB,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    with torch.device("meta"):
-        return tf.LlamaForCausalLM(cfg)
+    return tiny_llama()
 
 
 def _losses(precision: str, compile: str, checkpointing: bool, steps: int = 3) -> list[float]:

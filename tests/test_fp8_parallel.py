@@ -29,8 +29,8 @@ def _tp_plan(cfg: PrepConfig, world: int = 4, **shape: int) -> TensorParallelSta
     model = llama(LlamaConfig(**{"n_kv_heads": 4, "ffn_dim": 96, **shape}), "meta")  # type: ignore[arg-type]
     topo = Topology(world_size=world, rank=0, device_type="cuda")
     state = fprep.plan(model, cfg, topo).unwrap()
-    assert state.extension is not None and state.extension.tensor_parallel is not None
-    return state.extension.tensor_parallel
+    assert state.tensor_parallel is not None
+    return state.tensor_parallel
 
 
 # -- the plan ---------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def test_plan_is_pure_and_is_the_chain_of_transitions(inputs: fst.PlanCase) -> N
 def test_transitions_are_idempotent_on_a_complete_plan(state: PrepState) -> None:
     # Each transition recomputes its sub-state from what it reads: running it again is a no-op.
     assert state.is_complete
+    assert state.extension is not None and state.tensor_parallel is state.extension.tensor_parallel
     for name, transition in TRANSITIONS.items():
         assert transition(state) == Success(state), name
     assert [FIELD[name] for name in TRANSITIONS] == list(SUBSTATES)

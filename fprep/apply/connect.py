@@ -92,7 +92,7 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
         handle.setup(distributed=core.is_distributed)  # e.g. Gaudi: hpu device, hccl backend
         if state.config.compile != "none":
             handle.check_compile()  # before any change to the model
-        tps = state.extension.tensor_parallel if state.extension is not None else None
+        tps = state.tensor_parallel
         if not core.is_distributed and tps is None:
             return state.replace(handles=Handles(device=device, device_handle=handle)), model
         try:

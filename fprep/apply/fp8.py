@@ -37,8 +37,7 @@ def check_fp8_available(state: PrepState) -> None:
             fsdp_all_gather=core.precision.fp8_plan.fsdp_float8_all_gather,
             emulate=False,
         )
-    ext = state.extension
-    tps = ext.tensor_parallel if ext is not None else None
+    tps = state.tensor_parallel
     if tps is not None and any(cls.startswith("Float8") for _, cls in tps.float8):
         float8_tp_styles(float8_api("precision='fp8' with tp > 1"))
 

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fprep.apply.kv_cache import without_cache
+
 #: ``checkpoint``'s own keyword arguments: a forward keyword of the same name is bound first,
 #: so that ``checkpoint`` does not take it for its own.
 _CHECKPOINT_KEYWORDS = frozenset(
@@ -43,22 +45,6 @@ _CHECKPOINT_KEYWORDS = frozenset(
     for name, p in inspect.signature(checkpoint).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY
 )
-
-
-#: The keywords through which transformers' layers receive their KV cache (names differ across
-#: models and versions) and the flag that asks for one.
-_CACHE_KEYWORDS = ("cache", "layer_past", "past_key_value", "past_key_values")
-
-
-def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a transformers layer without its KV cache."""
-    out = dict(kwargs)
-    for name in _CACHE_KEYWORDS:
-        if out.get(name) is not None:
-            out[name] = None
-    if out.get("use_cache"):
-        out["use_cache"] = False
-    return out
 
 
 class CheckpointForward:
@@ -73,12 +59,15 @@ class CheckpointForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.inner
-        if forward is None:  # bound with __get__: dynamo traces it, not types.MethodType
-            forward = type(self.module).forward.__get__(self.module)
+        if forward is None:
+            # a partial: dynamo traces it on every torch from 2.11; ``function.__get__`` (2.13
+            # traces it, 2.11 skips it: a graph break, the region left uncompiled) and
+            # ``types.MethodType`` it does not
+            forward = functools.partial(type(self.module).forward, self.module)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         if getattr(type(self.module), "_can_checkpoint_with_cache", True) is False:
-            kwargs = _without_cache(kwargs)
+            kwargs = without_cache(kwargs)
         if not _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
             forward, kwargs = functools.partial(forward, **kwargs), {}
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

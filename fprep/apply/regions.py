@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from fprep.apply.async_outputs import wait_outputs_of
+from fprep.apply.kv_cache import compile_without_cache
 from fprep.apply.recompute import checkpoint_of, install_checkpoint
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
@@ -44,9 +45,7 @@ def _hooks_under_tp(state: PrepState) -> bool:
     (hooks; tested equal to eager there): dynamo's checkpoint op saves the DeviceMesh among the
     tensors for backward (AOTAutograd: "expected all tensors_saved_with_vc_check to be
     Tensors", torch 2.13, fsdp 2 x tp 2)."""
-    extension = state.extension
-    tps = extension.tensor_parallel if extension is not None else None
-    return tps is not None and state.config.compile == "regional"
+    return state.tensor_parallel is not None and state.config.compile == "regional"
 
 
 @step("checkpoint")
@@ -98,9 +97,17 @@ def _compile(module: nn.Module, fqn: str, kwargs: dict[str, Any]) -> None:
     setattr(module, _COMPILED_ATTR, True)
 
 
+def _compile_region(module: nn.Module, fqn: str, kwargs: dict[str, Any]) -> None:
+    """A region compiled on its own; a transformers layer trains without its write-only KV
+    cache (``fprep.apply.kv_cache``: otherwise each layer recompiles, and past dynamo's
+    recompile limit the rest run uncompiled)."""
+    _compile(module, fqn, kwargs)
+    compile_without_cache(module)
+
+
 def _tp_outside(state: PrepState, compiled: tuple[str, ...]) -> tuple[str, ...]:
     """Tensor-parallel modules outside the compiled regions: their outputs may enter one."""
-    tps = state.extension.tensor_parallel if state.extension is not None else None
+    tps = state.tensor_parallel
     if tps is None:
         return ()
     return tuple(
@@ -117,7 +124,7 @@ def compile_regions(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.M
     kwargs = _compile_kwargs(state)
     compiled = regions(state)
     for fqn in compiled:
-        _compile(model.get_submodule(fqn), fqn, kwargs)
+        _compile_region(model.get_submodule(fqn), fqn, kwargs)
     wait_outputs_of(model, _tp_outside(state, compiled))  # see fprep.apply.async_outputs
     return state, model
 

@@ -35,7 +35,7 @@ class Group:
     def of(cls, state: PrepState) -> Group:
         core = state.core
         # tp without data parallelism plans the strategy "none", yet every rank holds a shard
-        tps = state.extension.tensor_parallel if state.extension is not None else None
+        tps = state.tensor_parallel
         if (
             core is not None
             and (core.is_distributed or tps is not None)

@@ -41,7 +41,7 @@ def _weights(state: PrepState, sharded: bool) -> WeightsPlan | None:
         whole=ignored.params,
         shard=shard,
     )
-    tps = state.extension.tensor_parallel if state.extension is not None else None
+    tps = state.tensor_parallel
     if tps is None:
         return plan
     return tp_weights(plan, snapshot, dict(tps.params), tps.size, tps.rank, shard)
