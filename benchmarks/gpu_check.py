@@ -1,6 +1,7 @@
 """GPU check: fprep's single-device matrix, step-time ratios and pretrained loading on this machine.
 
-One GPU (under 5 minutes on an H100 / H200, a ~0.4B transformers Llama built from a config):
+One GPU (about 2 minutes on an H100, a 0.25B transformers Llama built from a config; `--size 0.9b`
+for issue 19's fp8 shape):
 
     python benchmarks/gpu_check.py
 
@@ -56,13 +57,39 @@ class Row:
     detail: str
 
 
+#: The models ``--size`` picks: (config sizes, attention heads, a batch's shape). ``0.25b``: a
+#: step takes tens of milliseconds on one H100; ``0.9b``: the shape issue 19 measured fp8 on
+#: (``lm_head`` 32000 x 2048, 4 x 2048 tokens), where float8 matmuls pay.
+MODELS: dict[str, tuple[dict[str, int], dict[str, int], tuple[int, int]]] = {
+    "tiny": (
+        dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, vocab_size=256),
+        dict(num_attention_heads=4, num_key_value_heads=2),
+        (2, 32),
+    ),
+    "0.25b": (
+        dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, vocab_size=32000),
+        dict(num_attention_heads=16, num_key_value_heads=8),
+        (4, 1024),
+    ),
+    "0.9b": (
+        dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, vocab_size=32000),
+        dict(num_attention_heads=16, num_key_value_heads=8),
+        (4, 2048),
+    ),
+}
+
+
 @dataclass(frozen=True)
 class Setup:
     device: str  # "cuda" or "cpu"
-    tiny: bool
+    size: str  # a key of MODELS
     world: int
     rank: int
     workdir: Path
+
+    @property
+    def tiny(self) -> bool:
+        return self.size == "tiny"
 
     @property
     def steps(self) -> int:
@@ -74,25 +101,18 @@ class Setup:
 
 
 # -- the model and data ---------------------------------------------------------------------------
-def llama_config(tiny: bool) -> Any:
+def llama_config(size: str) -> Any:
     from transformers import LlamaConfig
 
-    if tiny:
-        size = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, vocab_size=256)
-        heads = dict(num_attention_heads=4, num_key_value_heads=2)
-    else:  # ~0.4B parameters: a step takes tens of milliseconds on one H100
-        size = dict(
-            hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, vocab_size=32000
-        )
-        heads = dict(num_attention_heads=16, num_key_value_heads=8)
-    return LlamaConfig(**size, **heads, max_position_embeddings=512, tie_word_embeddings=False)
+    sizes, heads, _ = MODELS[size]
+    return LlamaConfig(**sizes, **heads, max_position_embeddings=512, tie_word_embeddings=False)
 
 
-def build(tiny: bool, device: str = "meta") -> nn.Module:
+def build(size: str, device: str = "meta") -> nn.Module:
     from transformers import LlamaForCausalLM
 
     with torch.device(device):
-        return LlamaForCausalLM(llama_config(tiny))
+        return LlamaForCausalLM(llama_config(size))
 
 
 def block_class() -> type[nn.Module]:
@@ -103,8 +123,8 @@ def block_class() -> type[nn.Module]:
 
 def batch(setup: Setup, seed: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's batch: one per data-parallel rank (the ranks of a tp group feed the same)."""
-    vocab = llama_config(setup.tiny).vocab_size
-    shape = (2, 32) if setup.tiny else (4, 1024)
+    vocab = llama_config(setup.size).vocab_size
+    shape = MODELS[setup.size][2]
     g = torch.Generator().manual_seed(seed + setup.rank // tp)
     ids = torch.randint(0, vocab, shape, generator=g)
     return ids.to(setup.device), ids.to(setup.device)
@@ -135,7 +155,7 @@ def run_steps(state: Any, model: nn.Module, opt: Any, data: Any, n: int) -> list
 
 def train(setup: Setup, config: fprep.PrepConfig, steps: int | None = None) -> list[float]:
     """Prepare a meta model with ``config`` and train it; the losses of each step."""
-    state, model = fprep.prepare(build(setup.tiny), config)
+    state, model = fprep.prepare(build(setup.size), config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return run_steps(state, model, opt, batch(setup, tp=config.tp), steps or setup.steps)
 
@@ -206,7 +226,7 @@ def check_weights(setup: Setup) -> Row:
 
     directory = setup.workdir / "pretrained"
     if setup.rank == 0 and not directory.exists():
-        source = build(setup.tiny, "cpu").to(torch.bfloat16)
+        source = build(setup.size, "cpu").to(torch.bfloat16)
         source.save_pretrained(directory)
         del source
     if setup.world > 1:
@@ -216,7 +236,7 @@ def check_weights(setup: Setup) -> Row:
     fp_times, hf_times = [], []
     for _ in range(2):
         (fp_state, ours), t = _timed(
-            setup, lambda: fprep.prepare(build(setup.tiny), cfg(setup, weights=str(directory)))
+            setup, lambda: fprep.prepare(build(setup.size), cfg(setup, weights=str(directory)))
         )
         fp_times.append(t)
         theirs, t = _timed(
@@ -277,7 +297,7 @@ def check_checkpoints(setup: Setup, strategy: str = "none", tp: int = 1) -> Row:
     def run(state: Any, model: nn.Module, opt: Any, n: int) -> list[float]:
         return run_steps(state, model, opt, data, n)
 
-    state, model = fprep.prepare(build(setup.tiny), config)
+    state, model = fprep.prepare(build(setup.size), config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run(state, model, opt, 2)
     at_sync = _values(model, opt)
@@ -287,7 +307,7 @@ def check_checkpoints(setup: Setup, strategy: str = "none", tp: int = 1) -> Row:
     handle = fprep.save(root / "async", state, model, optimizers=opt, step=3, wait=False)
     expected = run(state, model, opt, 2)  # overlaps the background write
     handle.wait()
-    state2, model2 = fprep.prepare(build(setup.tiny), config)
+    state2, model2 = fprep.prepare(build(setup.size), config)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     fprep.load(root / "async", state2, model2, optimizers=opt2)
     wrong = _first_difference(_values(model2, opt2), at_async)
@@ -317,7 +337,7 @@ def check_async_stall(setup: Setup) -> Row:
     stall is the time to enqueue; "copy left" is how long the device still copied after the
     call returned (the time a synchronous device-to-host copy would have added to the stall).
     The first asynchronous save also allocates the pinned buffers; the later ones reuse them."""
-    state, model = fprep.prepare(build(setup.tiny), cfg(setup, precision="bf16"))
+    state, model = fprep.prepare(build(setup.size), cfg(setup, precision="bf16"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batch(setup)
     run_steps(state, model, opt, data, 1)  # optimizer state exists
@@ -352,7 +372,7 @@ def check_async_stall(setup: Setup) -> Row:
 
 
 def _hand_bf16(setup: Setup) -> Callable[[], None]:
-    model = build(setup.tiny, setup.device)
+    model = build(setup.size, setup.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batch(setup)
 
@@ -368,7 +388,7 @@ def _hand_bf16(setup: Setup) -> Callable[[], None]:
 
 
 def _fprep_loop(setup: Setup, config: fprep.PrepConfig, model: nn.Module | None = None) -> Any:
-    state, prepared = fprep.prepare(model if model is not None else build(setup.tiny), config)
+    state, prepared = fprep.prepare(model if model is not None else build(setup.size), config)
     opt = torch.optim.AdamW(prepared.parameters(), lr=1e-3)
     data = batch(setup)
 
@@ -385,7 +405,7 @@ def _accelerate_loop(setup: Setup) -> Callable[[], None]:
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="bf16", cpu=setup.device == "cpu")
-    model = build(setup.tiny, "cpu")
+    model = build(setup.size, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
     data = batch(setup)
@@ -427,10 +447,10 @@ def check_fp8(setup: Setup) -> Row:
     from torchao.float8 import convert_to_float8_training
 
     fp8_cfg = cfg(setup, precision="fp8", compile="regional")
-    state = fprep.plan(build(setup.tiny), fp8_cfg, fprep.Topology.from_env()).unwrap()
+    state = fprep.plan(build(setup.size), fp8_cfg, fprep.Topology.from_env()).unwrap()
     assert state.core is not None and state.core.precision.fp8_plan is not None
     planned = frozenset(state.core.precision.fp8_plan.modules)
-    hand = build(setup.tiny)
+    hand = build(setup.size)
     convert_to_float8_training(hand, module_filter_fn=lambda _m, fqn: fqn in planned)
     hand_cfg = cfg(setup, precision="bf16", compile="regional")
     loops = {
@@ -474,7 +494,7 @@ def check_tensor_parallel(setup: Setup) -> Row:
     return bad or Row("", "ok", f"{layout}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
-TP = 2  # the tiny and the ~0.4B config both have kv heads that 2 divides
+TP = 2  # every config's kv heads are divisible by 2
 PRECISIONS = (("fp32", "no"), ("bf16", "bf16"), ("fp16", "fp16"))
 
 
@@ -567,6 +587,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="the same as --tiny")
     parser.add_argument(
+        "--size",
+        choices=[k for k in MODELS if k != "tiny"],
+        default="0.25b",
+        help="the model (default 0.25b; 0.9b: issue 19's fp8 shape)",
+    )
+    parser.add_argument(
         "--only", nargs="*", default=(), help="run the checks whose names contain these"
     )
     args = parser.parse_args(argv)
@@ -577,9 +603,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = [tmp]
         if world > 1:  # rank 0's directory for every rank (torchrun on one machine)
             dist.broadcast_object_list(where, src=0)
-        setup = Setup(device, args.tiny or args.quick, world, rank, Path(where[0]))
+        size = "tiny" if args.tiny or args.quick else args.size
+        setup = Setup(device, size, world, rank, Path(where[0]))
         if rank == 0:
             print(environment(setup), flush=True)
+        names = [name for name, _ in checks(setup)]
+        if args.only and not any(o in name for name in names for o in args.only):
+            parser.error(f"no check's name contains any of {args.only}; the checks: {names}")
         start = time.perf_counter()
         rows = run_checks(setup, args.only)
         if rank == 0:

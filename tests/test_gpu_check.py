@@ -68,3 +68,13 @@ def test_two_ranks_through_torchrun_train_and_checkpoint_tensor_parallel() -> No
     assert set(rows) == {"train tp bf16", "checkpoint tp"}, table
     assert all("  ok  " in row for row in rows.values()), table
     assert "every value bit-equal at load" in rows["checkpoint tp"]
+
+
+def test_only_matching_no_check_is_an_error_naming_the_checks(
+    gpu_check: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--device", "cpu", "--tiny", "--only", "no such check"])  # type: ignore[attr-defined]
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "no check's name contains" in err and "fp8 vs torchao by hand" in err
