@@ -256,7 +256,8 @@ class Fp8Options:
 
     Only plain ``nn.Linear`` layers whose dimensions are both multiples of 16 run in float8;
     the output projection (``skip_output``) and the modules matching ``skip`` stay in bf16, as
-    torchtitan and Accelerate leave them. The plan lists each decision (``fprep plan``).
+    torchtitan and Accelerate leave them, and so do layers too small for float8 to pay on CUDA
+    (``skip_small``, torchao's thresholds). The plan lists each decision (``fprep plan``).
     """
 
     recipe: Fp8Recipe = "tensorwise"
@@ -266,6 +267,10 @@ class Fp8Options:
     #: keep the output projection in bf16: each Linear producing the vocabulary (its
     #: out_features is the largest nn.Embedding's num_embeddings), else the model's last Linear
     skip_output: bool = True
+    #: keep in bf16 the Linears too small for float8 to pay on CUDA: below torchao's H100
+    #: thresholds for the recipe (tensorwise: in_features <= 4096 and out_features <= 1024;
+    #: rowwise: out_features <= 2048, or in_features <= 1024, or both <= 4096 x 2048)
+    skip_small: bool = True
     #: all-gather float8 weights under fsdp / hsdp (torchao, tensorwise recipe only);
     #: ``None``: on wherever torchao supports it
     fsdp_float8_all_gather: bool | None = None
@@ -278,6 +283,7 @@ class Fp8Options:
             raise _fail(owner, "skip", "contains an empty pattern.")
         object.__setattr__(self, "skip", skip)
         _check_bool(owner, "skip_output", self.skip_output)
+        _check_bool(owner, "skip_small", self.skip_small)
         gather = self.fsdp_float8_all_gather
         if gather is not None:
             _check_bool(owner, "fsdp_float8_all_gather", gather)

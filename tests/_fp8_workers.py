@@ -137,13 +137,13 @@ def prepared(
     fields, fp8 = RUNS[name]
     model = W.build("fprep_llama", seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = (cpu_fp8_plan(Fp8Options(**fp8)), *fprep.default_steps())
+    steps = (cpu_fp8_plan(Fp8Options(**{"skip_small": False, **fp8})), *fprep.default_steps())
     return fprep.prepare(model, fprep.PrepConfig(**fields, **more), opt, steps=steps)
 
 
 def train(name: str) -> dict[str, Any]:
     state, model, opt = prepared(name)
-    options = Fp8Options(**RUNS[name][1])
+    options = Fp8Options(**{"skip_small": False, **RUNS[name][1]})
     dp_rank, dp = _dp_rank(state)
     per = W.GLOBAL_BATCH // dp
     mine = slice(dp_rank * per, (dp_rank + 1) * per)

@@ -19,7 +19,7 @@ from fprep.errors import ConfigError
 from fprep.snapshot import ModuleTree
 from fprep.state import PrepState
 from fprep.testing.models import llama_tiny, lm_loss, synthetic_batches, tiny_gpt
-from fprep.transitions.fp8 import LINEAR, plan_fp8
+from fprep.transitions.fp8 import LINEAR, plan_fp8, too_small_for_float8
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 CUDA = fprep.Topology(world_size=1, rank=0, device_type="cuda")
@@ -28,6 +28,9 @@ LLAMA_FFN = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
 
 def _cuda_plan(model: nn.Module, **fp8: object) -> PrepState:
+    """The plan on CUDA; tiny models' layers are below the size where float8 pays, so these
+    tests convert them anyway unless they say otherwise (``skip_small`` has its own tests)."""
+    fp8.setdefault("skip_small", False)
     cfg = fprep.PrepConfig(precision="fp8", fp8=fp8)
     return fprep.plan(model, cfg, CUDA).unwrap()
 
@@ -45,6 +48,7 @@ def test_options_defaults_and_round_trip() -> None:
         "recipe": "rowwise",
         "skip": ["layers.0"],
         "skip_output": True,
+        "skip_small": True,
         "fsdp_float8_all_gather": None,
     }
     assert fprep.PrepConfig.from_dict(cfg.to_dict()) == cfg
@@ -57,6 +61,7 @@ def test_options_defaults_and_round_trip() -> None:
         ({"skip": "lm_head"}, "fp8.skip", "not a single string"),
         ({"skip": ("",)}, "fp8.skip", "empty pattern"),
         ({"skip_output": 1}, "fp8.skip_output", "True or False"),
+        ({"skip_small": "yes"}, "fp8.skip_small", "True or False"),
         (
             {"recipe": "rowwise", "fsdp_float8_all_gather": True},
             "fp8.fsdp_float8_all_gather",
@@ -127,7 +132,7 @@ def test_small_tied_and_subclassed_linears_stay_in_bf16() -> None:
 def test_float8_all_gather_is_planned_for_sharded_tensorwise_only() -> None:
     def plan(world: int, **fp8: object) -> fprep.state.Fp8Plan:
         topo = fprep.Topology(world_size=world, rank=0, device_type="cuda")
-        cfg = fprep.PrepConfig(strategy="fsdp", precision="fp8", fp8=fp8)
+        cfg = fprep.PrepConfig(strategy="fsdp", precision="fp8", fp8={"skip_small": False, **fp8})
         return _fp8_plan(fprep.plan(llama_tiny(device="meta"), cfg, topo).unwrap())
 
     assert plan(8).fsdp_float8_all_gather is True
@@ -142,30 +147,96 @@ def test_fprep_plan_shows_the_fp8_decisions() -> None:
     assert "kept output: output projection" in text
 
 
+def _linears(*shapes: tuple[int, int]) -> nn.Module:
+    """An embedding (so no Linear counts as the output projection) and Linears of
+    (in_features, out_features), on the meta device."""
+    with torch.device("meta"):
+        return nn.ModuleDict(
+            {"emb": nn.Embedding(50, 16)}
+            | {f"l{i}": nn.Linear(k, n) for i, (k, n) in enumerate(shapes)}
+        )
+
+
+def test_layers_too_small_for_float8_stay_in_bf16_by_recipe() -> None:
+    """torchao's H100 thresholds: tensorwise keeps in_features <= 4096 and out_features <= 1024;
+    rowwise keeps out_features <= 2048, in_features <= 1024, or both <= 4096 x 2048."""
+    shapes = ((4096, 1024), (4096, 1040), (4112, 1024), (2048, 2064), (1024, 8192), (2064, 4112))
+    tensorwise = _fp8_plan(_cuda_plan(_linears(*shapes), skip_small=True))
+    assert tensorwise.modules == ("l1", "l2", "l3", "l4", "l5")
+    why = dict(tensorwise.kept)["l0"]
+    assert why.startswith("too small for float8 to pay (tensorwise")
+    assert "1024 x 4096" in why and "fp8.skip_small=False converts it" in why
+    rowwise = _fp8_plan(_cuda_plan(_linears(*shapes), skip_small=True, recipe="rowwise"))
+    assert rowwise.modules == ("l5",)  # 4112 > 4096: the last rule no longer applies
+    assert "out_features <= 2048" in dict(rowwise.kept)["l1"]
+    everything = _fp8_plan(_cuda_plan(_linears(*shapes), skip_small=False))
+    assert len(everything.modules) == len(shapes)
+
+
+def test_skip_small_is_the_default_and_only_on_cuda() -> None:
+    llama = fprep.PrepConfig(precision="fp8")
+    assert llama.fp8.skip_small is True
+    hpu = fprep.Topology(world_size=1, rank=0, device_type="hpu")
+    on_gaudi = _fp8_plan(fprep.plan(llama_tiny(device="meta"), llama, hpu).unwrap())
+    assert len(on_gaudi.modules) == 14  # no measurements there: nothing kept for its size
+
+
+def test_fp8_that_would_convert_nothing_is_refused_naming_the_way_out() -> None:
+    cfg = fprep.PrepConfig(precision="fp8")  # every tiny Llama layer is below the thresholds
+    error = fprep.plan(llama_tiny(device="meta"), cfg, CUDA).failure()
+    assert isinstance(error, ConfigError) and error.subject == "fp8"
+    assert "runs none of the model's 15 Linear layers in float8" in error.message
+    assert "too small for float8 to pay" in error.message
+    assert "skip_small" in error.hint and "precision='bf16'" in error.hint
+    no_linear = fprep.plan(nn.Sequential(nn.Conv1d(4, 4, 1)), cfg, CUDA).failure()
+    assert isinstance(no_linear, ConfigError) and "has none" in no_linear.message
+
+
+def test_skip_small_agrees_with_torchaos_own_filter() -> None:
+    """On a Llama-3.2-1B-shaped transformers model (built on meta) the plan converts exactly
+    what torchao's ``_auto_filter_for_recipe`` would, both recipes (the output projection
+    aside, which fprep keeps by default and torchao's filter is told by name)."""
+    float8_utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    tf = pytest.importorskip("transformers")
+    config = tf.LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    for recipe in ("tensorwise", "rowwise"):
+        plan = _fp8_plan(_cuda_plan(model, recipe=recipe, skip_small=True))
+        keep = float8_utils._auto_filter_for_recipe(recipe, filter_fqns=["lm_head"])
+        theirs = [n for n, m in model.named_modules() if keep(m, n)]
+        assert sorted(plan.modules) == sorted(theirs), recipe
+        assert set(plan.modules) < {n for n, m in model.named_modules() if type(m) is nn.Linear}
+
+
 def test_fp8_is_still_refused_on_a_cpu() -> None:
     failure = fprep.plan(llama_tiny(device="meta"), fprep.PrepConfig(precision="fp8")).failure()
     assert isinstance(failure, fprep.DeviceError)
     assert "needs a CUDA or Gaudi device" in str(failure)
 
 
-_shapes = st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1, max_size=6)
+_dims = st.integers(1, 64) | st.sampled_from((1024, 1040, 2048, 2064, 4096, 4112))
+_shapes = st.lists(st.tuples(_dims, _dims), min_size=1, max_size=6)
 
 
-@settings(max_examples=40, deadline=None)
-@given(_shapes, st.booleans())
+@settings(max_examples=60, deadline=None)
+@given(_shapes, st.booleans(), st.booleans(), st.sampled_from(("tensorwise", "rowwise")))
 def test_every_linear_is_planned_exactly_once(
-    shapes: list[tuple[int, int]], skip_out: bool
+    shapes: list[tuple[int, int]], skip_out: bool, skip_small: bool, recipe: str
 ) -> None:
     with torch.device("meta"):
         model = nn.Sequential(*(nn.Linear(i, o) for i, o in shapes))
     tree = ModuleTree.of(model)
-    plan = plan_fp8(
-        tree,
-        Fp8Options(skip_output=skip_out),
-        ignored_modules=(),
-        sharded=False,
-        device_type="cuda",
-    )
+    options = Fp8Options(skip_output=skip_out, skip_small=skip_small, recipe=recipe)  # type: ignore[arg-type]
+    plan = plan_fp8(tree, options, ignored_modules=(), sharded=False, device_type="cuda")
     kept = [fqn for fqn, _ in plan.kept]
     assert sorted(plan.modules + tuple(kept)) == sorted(
         m.fqn for m in tree.modules if m.is_a(LINEAR)
@@ -173,6 +244,11 @@ def test_every_linear_is_planned_exactly_once(
     for fqn in plan.modules:
         i, o = shapes[int(fqn)]
         assert i % 16 == 0 and o % 16 == 0
+        assert not skip_small or too_small_for_float8(recipe, o, i) == ""
+    for fqn, why in plan.kept:  # a float8-sized layer is kept for a reason that applies
+        i, o = shapes[int(fqn)]
+        if i % 16 == 0 and o % 16 == 0 and not why.startswith("output projection"):
+            assert skip_small and why == too_small_for_float8(recipe, o, i)
     outputs = [fqn for fqn, why in plan.kept if why.startswith("output projection")]
     assert outputs == ([str(len(shapes) - 1)] if skip_out else [])
 
@@ -181,7 +257,8 @@ def test_every_linear_is_planned_exactly_once(
 def _with_fp8(state: PrepState, model: nn.Module) -> PrepState:
     """A bf16 CPU plan with the fp8 plan a CUDA rank would get (the plan refuses fp8 on CPU)."""
     assert state.core is not None
-    fp8 = plan_fp8(state.tree, Fp8Options(), ignored_modules=(), sharded=False, device_type="cuda")
+    options = Fp8Options(skip_small=False)  # a tiny Llama: every layer below the thresholds
+    fp8 = plan_fp8(state.tree, options, ignored_modules=(), sharded=False, device_type="cuda")
     precision = dataclasses.replace(state.core.precision, fp8=True, fp8_plan=fp8)
     return state.replace(core=dataclasses.replace(state.core, precision=precision))
 
@@ -218,7 +295,7 @@ def test_rowwise_recipe_reaches_torchao() -> None:
     model = llama_tiny(device="cpu")
     plan = plan_fp8(
         ModuleTree.of(model),
-        Fp8Options(recipe="rowwise"),
+        Fp8Options(recipe="rowwise", skip_small=False),
         ignored_modules=(),
         sharded=False,
         device_type="cuda",

@@ -23,6 +23,8 @@ HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")
 COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROWWISE = ("attention.wo", "feed_forward.w2")
+#: every layer of these tiny models is below the size where float8 pays: convert them anyway
+CONVERT_SMALL = {"skip_small": False}
 
 
 def _tp_plan(cfg: PrepConfig, world: int = 4, **shape: int) -> TensorParallelState:
@@ -35,7 +37,7 @@ def _tp_plan(cfg: PrepConfig, world: int = 4, **shape: int) -> TensorParallelSta
 
 # -- the plan ---------------------------------------------------------------------------------
 def test_tensorwise_float8_layers_get_torchaos_styles() -> None:
-    cfg = PrepConfig(strategy="fsdp", tp=2, precision="fp8")
+    cfg = PrepConfig(strategy="fsdp", tp=2, precision="fp8", fp8=CONVERT_SMALL)
     tps = _tp_plan(cfg)
     styles = dict(tps.float8)
     for i in range(2):
@@ -60,7 +62,9 @@ def test_rowwise_recipes_keep_torchs_styles() -> None:
     """torchao's float8 styles cast inputs tensorwise: under a rowwise recipe they would scale
     differently from the layers' own recipe, so torch's styles shard them (torchtitan too)."""
     for recipe in ("rowwise", "rowwise_with_gw_hp"):
-        cfg = PrepConfig(strategy="fsdp", tp=2, precision="fp8", fp8={"recipe": recipe})
+        cfg = PrepConfig(
+            strategy="fsdp", tp=2, precision="fp8", fp8={"recipe": recipe, **CONVERT_SMALL}
+        )
         styles = set(dict(_tp_plan(cfg).float8).values())
         assert styles == {"ColwiseParallel", "RowwiseParallel"}
 
@@ -71,7 +75,7 @@ def test_sequence_parallel_and_skips() -> None:
         tp=2,
         precision="fp8",
         sequence_parallel=True,
-        fp8={"skip": ("layers.0",), "skip_output": False},
+        fp8={"skip": ("layers.0",), "skip_output": False, **CONVERT_SMALL},
     )
     styles = dict(_tp_plan(cfg).float8)
     assert styles["layers.1.attention.wo"] == "RowwiseParallel"  # rowwise_sequence
@@ -84,11 +88,14 @@ def test_a_shard_too_small_for_float8_is_refused_naming_it() -> None:
     """tp 4 leaves feed_forward.w1 (96 x 64) 24 rows per rank: not float8-sized."""
     model = llama(LlamaConfig(n_kv_heads=4, ffn_dim=96), "meta")
     topo = Topology(world_size=4, rank=0, device_type="cuda")
-    error = fprep.plan(model, PrepConfig(tp=4, precision="fp8"), topo).failure()
+    error = fprep.plan(model, PrepConfig(tp=4, precision="fp8", fp8=CONVERT_SMALL), topo).failure()
     assert isinstance(error, ConfigError) and error.subject == "fp8.skip", error
     assert "'layers.0.feed_forward.w1' (colwise) keeps 24 of its 96 rows" in error.message
     assert "fp8={'skip': ['layers.0.feed_forward.w1']}" in error.hint
-    skip = {"skip": ("*.feed_forward.w1", "*.feed_forward.w3", "*.feed_forward.w2")}
+    skip = {
+        "skip": ("*.feed_forward.w1", "*.feed_forward.w3", "*.feed_forward.w2"),
+        **CONVERT_SMALL,
+    }
     tps = _tp_plan(PrepConfig(tp=4, precision="fp8", fp8=skip))
     assert len(tps.float8) == 8  # the attention projections
 

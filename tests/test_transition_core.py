@@ -34,6 +34,7 @@ from fprep.state import PrecisionPolicy
 from fprep.testing import strategies as fst
 from fprep.topology import DEVICE_TYPES
 from fprep.transitions import init_core
+from fprep.transitions.fp8 import plan_fp8
 
 SMALL = fst.module_trees(max_depth=2)
 ROOT = ModuleInfo(fqn="", cls="m.Model")
@@ -254,12 +255,25 @@ def test_fp8_on_cpu(state: PrepState) -> None:
     failure(run_pure(init_core, state), DeviceError, "precision")
 
 
-@given(SMALL, fst.topologies(device_type=st.sampled_from(("cuda", "hpu"))))
-def test_fp8_on_an_accelerator(tree: ModuleTree, topology: Topology) -> None:
-    core = success(
-        run_pure(init_core, before_core(tree, PrepConfig(precision="fp8"), topology))
-    ).core
-    assert core is not None and core.precision.fp8
+@given(SMALL, fst.topologies(device_type=st.sampled_from(("cuda", "hpu"))), st.booleans())
+def test_fp8_on_an_accelerator(tree: ModuleTree, topology: Topology, small: bool) -> None:
+    """fp8 is planned when a Linear runs in float8; with none it is refused (it would train in
+    bf16 while saying fp8), naming the layers' reasons or their absence."""
+    cfg = PrepConfig(precision="fp8", fp8={"skip_small": small})
+    result = run_pure(init_core, before_core(tree, cfg, topology))
+    planned = plan_fp8(
+        tree, cfg.fp8, ignored_modules=(), sharded=False, device_type=topology.device_type
+    )
+    if planned.modules:
+        core = success(result).core
+        assert core is not None and core.precision.fp8
+        assert core.precision.fp8_plan is not None
+        assert core.precision.fp8_plan.modules == planned.modules
+    elif planned.kept:
+        error = failure(result, ConfigError, "fp8")
+        assert f"none of the model's {len(planned.kept)} Linear layers" in error.message
+    else:
+        failure(result, ConfigError, "precision")
 
 
 @given(

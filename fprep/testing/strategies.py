@@ -38,6 +38,7 @@ from fprep.config import (
     CompileMode,
     DDPOptions,
     FloatDType,
+    Fp8Options,
     Offload,
     Precision,
     PrepConfig,
@@ -606,12 +607,26 @@ def configs(
                 draw(st.lists(st.sampled_from(param_names), unique=True, max_size=3))
             )
 
+    # fp8 with no Linear in float8 is refused: draw it only where one converts (small layers
+    # converted anyway when only skip_small keeps them all).
+    fp8_options = Fp8Options(skip_small=draw(st.booleans()))
+    checked = plannable and tree is not None and "precision" not in fields
+    if checked and "fp8" in precisions:
+        assert tree is not None
+        if not _converts_any(tree, fp8_options, ignored_modules, device_type):
+            fp8_options = Fp8Options(skip_small=False)
+        if not _converts_any(tree, fp8_options, ignored_modules, device_type):
+            precisions = tuple(p for p in precisions if p != "fp8")
+    precision = pick("precision", st.sampled_from(precisions))
+    fp8 = pick("fp8", st.just(fp8_options)) if precision == "fp8" else Fp8Options()
+
     return PrepConfig(
         strategy=cast(Any, strategy),
         sharding=cast(Any, sharding),
         reshard_after_forward=raf,
         hsdp_shard_size=hsdp_shard_size,
-        precision=pick("precision", st.sampled_from(precisions)),
+        precision=precision,
+        fp8=fp8,
         reduce_dtype=pick("reduce_dtype", st.none() | st.sampled_from(_choices(FloatDType))),
         wrap=wrap,
         ignored_modules=ignored_modules,
@@ -634,6 +649,18 @@ def configs(
         state_dict_type=pick("state_dict_type", st.sampled_from(_choices(StateDictType))),
         timeout_s=pick("timeout_s", st.sampled_from((1800.0, 60.0, 0.5))),
     )
+
+
+def _converts_any(
+    tree: ModuleTree, options: Fp8Options, ignored_modules: tuple[str, ...], device_type: str
+) -> bool:
+    """Whether ``precision="fp8"`` with ``options`` runs any of ``tree``'s Linears in float8."""
+    from fprep.transitions.fp8 import plan_fp8
+
+    plan = plan_fp8(
+        tree, options, ignored_modules=ignored_modules, sharded=False, device_type=device_type
+    )
+    return bool(plan.modules)
 
 
 # -- process groups and meshes as data ----------------------------------------------------------

@@ -72,12 +72,39 @@ def _fp8_plan(
 ) -> Fp8Plan | None:
     if state.config.precision != "fp8":
         return None
-    return plan_fp8(
+    plan = plan_fp8(
         state.tree,
         state.config.fp8,
         ignored_modules=tuple(sorted(ignored.modules)),
         sharded=sharded,
         device_type=device.device_type,
+    )
+    if not plan.modules:
+        _refuse_empty_fp8(plan)
+    return plan
+
+
+def _refuse_empty_fp8(plan: Fp8Plan) -> None:
+    """precision='fp8' with no Linear in float8 would train in bf16 while saying fp8."""
+    if not plan.kept:
+        raise ConfigError(
+            "precision='fp8' converts nn.Linear layers, and the model has none: it would "
+            "train in bf16.",
+            subject="precision",
+            hint="Use precision='bf16'.",
+        )
+    small = [(f, w) for f, w in plan.kept if w.startswith("too small for float8")]
+    fqn, why = (small or plan.kept)[0]
+    anyway = ", or convert the small layers anyway with fp8={'skip_small': False}"
+    raise ConfigError(
+        f"precision='fp8' runs none of the model's {len(plan.kept)} Linear layers in float8, "
+        f"so it would train in bf16 (e.g. {fqn!r}: {why}).",
+        subject="fp8",
+        hint=(
+            "Use precision='bf16'"
+            + (anyway if small else "")
+            + "; fprep plan --precision fp8 lists every layer's reason."
+        ),
     )
 
 

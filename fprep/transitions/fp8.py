@@ -10,6 +10,12 @@ without a GPU or torchao. A Linear runs in float8 unless
   logits; torchtitan and Accelerate keep it in bf16 too;
 * a dimension is not a multiple of 16 (float8 matmuls need both; torchao's own filters and
   torchtitan's refuse the same layers);
+* on CUDA, it is too small for float8 to pay (``skip_small``): the casts and scales cost more
+  than the faster matmul saves below the thresholds torchao measured on an H100 for the recipe
+  (its ``_auto_filter_for_recipe``; the rowwise ones for both rowwise recipes). fprep's own
+  H100 run agrees: a 0.25B Llama (width 1024) with every Linear in float8 stepped 1.44x slower
+  than bf16, a 0.9B one (width 2048) 0.97x (``benchmarks/gpu_check.py``). On Gaudi no such
+  measurements exist: the switch does nothing there;
 * its weight is tied to another module's (converting would change what the other computes);
 * it is a subclass of ``nn.Linear`` (its own forward would be replaced by torchao's), e.g. the
   output projection ``nn.MultiheadAttention`` reads directly.
@@ -72,7 +78,7 @@ def plan_fp8(
     modules: list[str] = []
     kept: list[tuple[str, str]] = []
     for m in dict((m.fqn, m) for m in linears).values():  # a shared module once
-        reason = _kept_because(tree, m, options, ignored_modules, outputs)
+        reason = _kept_because(tree, m, options, ignored_modules, outputs, device_type)
         if reason:
             kept.append((m.fqn, reason))
         else:
@@ -94,6 +100,7 @@ def _kept_because(
     options: Fp8Options,
     ignored_modules: tuple[str, ...],
     outputs: dict[str, str],
+    device_type: str,
 ) -> str:
     """Why ``m`` stays in high precision; empty when it runs in float8."""
     if any(is_within(m.fqn, ig) for ig in ignored_modules):
@@ -114,4 +121,23 @@ def _kept_because(
     out_f, in_f = weight.shape
     if out_f % FP8_DIM_MULTIPLE or in_f % FP8_DIM_MULTIPLE:
         return f"dimensions {out_f} x {in_f} are not multiples of {FP8_DIM_MULTIPLE}"
+    if options.skip_small and device_type == "cuda":
+        return too_small_for_float8(options.recipe, out_f, in_f)
     return ""
+
+
+def too_small_for_float8(recipe: str, out_f: int, in_f: int) -> str:
+    """Why float8 does not pay for an ``out_f`` x ``in_f`` weight under ``recipe`` (torchao's
+    H100 thresholds); empty when it does."""
+    if recipe == "tensorwise":
+        small = in_f <= 4096 and out_f <= 1024
+        rule = "in_features <= 4096 and out_features <= 1024"
+    else:
+        small = out_f <= 2048 or in_f <= 1024 or (out_f <= 4096 and in_f <= 2048)
+        rule = "out_features <= 2048, in_features <= 1024, or both <= 4096 x 2048"
+    if not small:
+        return ""
+    return (
+        f"too small for float8 to pay ({recipe}: {rule}; dimensions {out_f} x {in_f}); "
+        "fp8.skip_small=False converts it"
+    )
