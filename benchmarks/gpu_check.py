@@ -190,7 +190,6 @@ def check_compile(setup: Setup, mode: str) -> Row:
     )
     graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
-    recompiles = sum(counters["recompiles"].values())
     bad = falls(compiled)
     diff = abs(compiled[0] - eager[0])
     if bad is None and diff > 0.05:
@@ -198,11 +197,16 @@ def check_compile(setup: Setup, mode: str) -> Row:
     if bad is None and (not graphs or counters["unimplemented"]):
         # dynamo gave up on a frame: it ran eagerly, uncompiled
         bad = Row("", "FAIL", f"not compiled: {', '.join(counters['unimplemented']) or 'no graph'}")
+    if bad is None and (graphs != 1 or breaks):
+        # One graph: every region reuses the first one's code (a graph per layer ends in
+        # layers run eagerly past dynamo's recompile limit: a KV cache once did this,
+        # fprep.apply.kv_cache); a graph break leaves code between the graphs eager.
+        bad = Row("", "FAIL", f"{graphs} graph(s), {breaks} graph break(s); expected 1 and 0")
     return bad or Row(
         "",
         "ok",
         f"loss {compiled[0]:.3f} -> {compiled[-1]:.3f} (eager {eager[0]:.3f}); "
-        f"{graphs} graph(s), {breaks} graph break(s), {recompiles} recompile(s)",
+        f"{graphs} graph(s), {breaks} graph break(s)",
     )
 
 

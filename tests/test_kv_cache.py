@@ -54,7 +54,6 @@ def test_regionally_compiled_layers_share_one_graph_and_train_like_eager(dynamo:
     compiled = _train("regional")
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
     assert dynamo["stats"]["unique_graphs"] == 1, dict(dynamo["stats"])
-    assert not dynamo["recompiles"], dict(dynamo["recompiles"])
     assert not any(dynamo["graph_break"].values()), dict(dynamo["graph_break"])
 
 
