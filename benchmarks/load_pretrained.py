@@ -172,7 +172,8 @@ def _read_bandwidth(directory: Path, device: torch.device, readers: int) -> floa
     from concurrent.futures import ThreadPoolExecutor
 
     from fprep.devices import Lane
-    from fprep.weights.pipeline import CHUNK_BYTES, byte_view, read_exact
+    from fprep.tensor_bytes import byte_view
+    from fprep.weights.pipeline import CHUNK_BYTES, read_exact
 
     lane = Lane(device)
     buffers = [lane.host_buffer(CHUNK_BYTES, torch.uint8) for _ in range(readers)]

@@ -48,13 +48,13 @@ from fprep.errors import CheckpointError, PrepareError
 from fprep.progress import Progress
 from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
+from fprep.tensor_bytes import byte_view
 from fprep.weights.blocks import StridedRead
 from fprep.weights.identity import check_unchanged, disagreement, fingerprint, open_planned
 from fprep.weights.pipeline import (
     CHUNK_BYTES,
     Chunk,
     PourStats,
-    byte_view,
     chunks_of,
     default_readers,
     pour,

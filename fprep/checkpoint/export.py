@@ -32,12 +32,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.format.files import os_failure
-from fprep.checkpoint.format.storage import byte_view, plain, progress
+from fprep.checkpoint.format.storage import plain, progress
 from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.stores.backend import is_url
 from fprep.checkpoint.stores.sink import Sink, open_sink
 from fprep.errors import CheckpointError
 from fprep.state import PrepState
+from fprep.tensor_bytes import byte_view
 from fprep.unwrap import _original_class as original_class  # FSDP<Class> -> Class
 
 #: torch dtype -> safetensors dtype name

@@ -34,6 +34,7 @@ import torch
 
 from fprep.devices import Lane
 from fprep.errors import CheckpointError
+from fprep.tensor_bytes import byte_view
 
 #: Bytes of one chunk (a read, a host buffer, a device buffer).
 CHUNK_BYTES = 16 << 20
@@ -42,13 +43,6 @@ CHUNK_BYTES = 16 << 20
 MAX_READERS = 8
 #: The most one read asks for (Linux transfers at most about 2 GiB per call).
 _MAX_READ = 1 << 30
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
-    if t.numel() == 0:
-        return memoryview(bytearray())
-    return t.view(-1).view(torch.uint8).numpy().data
 
 
 def read_exact(fd: int, view: memoryview, offset: int, file: str) -> None:

@@ -58,7 +58,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fprep.checkpoint.format import metadata as md_json
 from fprep.checkpoint.format.files import (
@@ -76,6 +75,7 @@ from fprep.checkpoint.format.files import (
 )
 from fprep.errors import CheckpointError
 from fprep.progress import Progress
+from fprep.tensor_bytes import byte_view, is_wrapper
 
 ALIGN = 64
 _IN_FLIGHT = 256 * 1024 * 1024  # bytes written but not yet hashed, at most
@@ -132,11 +132,6 @@ def _little_endian() -> None:
         )
 
 
-def is_wrapper(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a wrapper subclass: its ``data_ptr`` is no memory of its values."""
-    return bool(is_traceable_wrapper_subclass(t))  # (a bool: no type narrowing of ``t``)
-
-
 def plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor: a wrapper subclass (torchao's float8 all-gather weight,
     WeightWithDynamicFloat8CastTensor) has no storage of its own, and its ops rewrap their
@@ -146,16 +141,6 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (keep ``t`` alive while used)."""
-    if is_wrapper(t):
-        raise TypeError(f"byte_view of a {type(t).__name__}: take plain(t) first")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def _item_bytes(item: Any) -> int:
