@@ -345,14 +345,10 @@ def check_async_stall(setup: Setup) -> Row:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batch(setup)
     run_steps(state, model, opt, data, 1)  # optimizer state exists
+    from checkpoint import tensor_bytes  # benchmarks/checkpoint.py
+
     root = setup.workdir / "stall"
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    nbytes += sum(
-        v.numel() * v.element_size()
-        for s in opt.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
+    nbytes = tensor_bytes(model, opt)
     _, sync_s = _timed(setup, lambda: fprep.save(root / "sync", state, model, optimizers=opt))
     stalls, left = [], []
     for i in range(4):
@@ -360,8 +356,8 @@ def check_async_stall(setup: Setup) -> Row:
         _sync(setup)
         start = time.perf_counter()
         handle = fprep.save(root / f"async{i}", state, model, optimizers=opt, wait=False)
-        stalls.append(time.perf_counter() - start)
         returned = time.perf_counter()
+        stalls.append(returned - start)
         _sync(setup)  # the copies still running on the device
         left.append(time.perf_counter() - returned)
         handle.wait()

@@ -102,7 +102,7 @@ def save(directory: Path, quick: bool, size: str | None = None, device: str = "c
             model = LlamaForCausalLM(config(quick, size))
     finally:
         torch.set_default_dtype(default)
-    shard = "2MB" if quick and size is None else "100MB" if size is None else "2GB"
+    shard = "2GB" if size == "3b" else "2MB" if quick else "100MB"
     model.save_pretrained(directory, max_shard_size=shard)
     return sum(p.numel() for p in model.parameters())
 

@@ -17,8 +17,8 @@ from fprep.state import PrepState
 
 def uses_loss_parallel(state: PrepState) -> bool:
     """Whether the output is a vocabulary-sharded DTensor (the loss must be parallel)."""
-    ext = state.extension
-    return ext is not None and ext.tensor_parallel is not None and ext.tensor_parallel.loss_parallel
+    tps = state.tensor_parallel
+    return tps is not None and tps.loss_parallel
 
 
 @contextlib.contextmanager

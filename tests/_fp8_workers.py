@@ -129,21 +129,27 @@ def _scales(model: nn.Module) -> dict[str, Any]:
     return out
 
 
+def options(name: str) -> Fp8Options:
+    """Run ``name``'s fp8 options; the tiny Llama's layers are below the size where float8
+    pays, so they are converted anyway (``skip_small=False``)."""
+    return Fp8Options(**{"skip_small": False, **RUNS[name][1]})
+
+
 def prepared(
     name: str, seed: int = W.SEED, **more: Any
 ) -> tuple[PrepState, nn.Module, torch.optim.Optimizer]:
     """fprep's tiny Llama and AdamW prepared as run ``name`` (with the fp8 plan of a CUDA rank);
     ``more``: further PrepConfig fields."""
-    fields, fp8 = RUNS[name]
+    fields = RUNS[name][0]
     model = W.build("fprep_llama", seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = (cpu_fp8_plan(Fp8Options(**{"skip_small": False, **fp8})), *fprep.default_steps())
+    steps = (cpu_fp8_plan(options(name)), *fprep.default_steps())
     return fprep.prepare(model, fprep.PrepConfig(**fields, **more), opt, steps=steps)
 
 
 def train(name: str) -> dict[str, Any]:
     state, model, opt = prepared(name)
-    options = Fp8Options(**{"skip_small": False, **RUNS[name][1]})
+    fp8 = options(name)
     dp_rank, dp = _dp_rank(state)
     per = W.GLOBAL_BATCH // dp
     mine = slice(dp_rank * per, (dp_rank + 1) * per)
@@ -163,11 +169,10 @@ def train(name: str) -> dict[str, Any]:
         "refresh": handles_of(state).fp8_scales is not None,
         "scales": _scales(model),
     }
-    ext = state.extension
-    if ext is not None and ext.tensor_parallel is not None:
-        out["float8_styles"] = dict(ext.tensor_parallel.float8)
+    if state.tensor_parallel is not None:
+        out["float8_styles"] = dict(state.tensor_parallel.float8)
         out["summary"] = state.summary()
-    if options.fsdp_float8_all_gather:  # which cast the next all-gathers use
+    if fp8.fsdp_float8_all_gather:  # which cast the next all-gathers use
         from torchao.float8 import fsdp_utils
 
         x, _ = W.batches()[0]

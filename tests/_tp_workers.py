@@ -157,9 +157,7 @@ def train(
         "norms": norms,
         "dp_rank": dp_rank,
         "mismatches": _mismatches(state, model),
-        "notes": list(state.extension.tensor_parallel.notes)
-        if state.extension and state.extension.tensor_parallel
-        else [],
+        "notes": list(state.tensor_parallel.notes) if state.tensor_parallel else [],
     }
 
 

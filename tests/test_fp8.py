@@ -197,18 +197,16 @@ def test_skip_small_agrees_with_torchaos_own_filter() -> None:
     what torchao's ``_auto_filter_for_recipe`` would, both recipes (the output projection
     aside, which fprep keeps by default and torchao's filter is told by name)."""
     float8_utils = pytest.importorskip("torchao.float8.float8_linear_utils")
-    tf = pytest.importorskip("transformers")
-    config = tf.LlamaConfig(
+    pytest.importorskip("transformers")
+    from _tiny_transformers import meta_llama
+
+    model = meta_llama(
         hidden_size=2048,
         intermediate_size=8192,
-        num_hidden_layers=2,
         num_attention_heads=32,
         num_key_value_heads=8,
         vocab_size=1000,
-        tie_word_embeddings=False,
     )
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(config)
     for recipe in ("tensorwise", "rowwise"):
         plan = _fp8_plan(_cuda_plan(model, recipe=recipe, skip_small=True))
         keep = float8_utils._auto_filter_for_recipe(recipe, filter_fqns=["lm_head"])
