@@ -268,11 +268,27 @@ def _llama_405b_figures(tp: int) -> dict[str, str]:
     }
 
 
+def _tiny_gpt_params(world_size: int) -> str:
+    """getting_started.md's train.py: this rank's parameter bytes under fsdp at ``world_size``."""
+    import fprep
+    from fprep.summary import human_bytes
+    from fprep.testing.models import GPTBlock, tiny_gpt
+
+    cfg = fprep.PrepConfig(strategy="fsdp", wrap=GPTBlock, seed=0)
+    state = fprep.plan(tiny_gpt(seed=0), cfg, fprep.Topology(world_size=world_size)).unwrap()
+    return human_bytes(fprep.estimate_memory(state).params)
+
+
 def _claims() -> list[tuple[str, str]]:
     """(page, sentence) for each figure a page quotes, rendered from what the code computes."""
     tp8, fsdp = _llama_405b_figures(8), _llama_405b_figures(1)
     assert tp8["total"] == fsdp["total"]  # parallelism.md: "the same ... either way"
+    half, whole = _tiny_gpt_params(2), _tiny_gpt_params(1)
     return [
+        (
+            "getting_started.md",
+            f"(`this rank params {half}` in the summary, against {whole} alone)",
+        ),
         ("README.md", f"({tp8['total']} per rank of parameters, gradients and Adam state;"),
         ("parallelism.md", f"the output head ({tp8['head']} each)"),
         ("parallelism.md", f"gathers its TP slice, {tp8['root']} in bf16."),
@@ -288,8 +304,9 @@ def _flat(text: str) -> str:
 
 
 def test_quoted_figures_are_what_the_code_computes() -> None:
-    """The 405B figures README.md and parallelism.md quote in prose (the `fprep plan` output the
-    pages show is compared above): each sentence, rendered from the plan fprep makes now."""
+    """The plan figures pages quote in prose (the 405B plan's in README.md and parallelism.md,
+    train.py's shard in getting_started.md; the `fprep plan` output the pages show is compared
+    above): each sentence, rendered from the plan fprep makes now."""
     root = DOCS.parent
     stale = []
     for page, sentence in _claims():
