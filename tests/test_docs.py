@@ -376,6 +376,47 @@ def test_pages_state_the_supported_torch_range() -> None:
     assert {"versions.md", "getting_started.md", "README.md"} <= seen
 
 
+def _ci_subsets() -> dict[str, set[str]]:
+    """The torch releases .ci/run installs beside the main one, each with the test files it runs
+    there (one `pip install ... torch==X` then one `pytest` command per release)."""
+    ci = (DOCS.parent / ".ci" / "run").read_text().replace("\\\n", " ")
+    subsets: dict[str, set[str]] = {}
+    release = None
+    for line in ci.splitlines():
+        installed = re.search(r"pip install .*torch==(\S+)", line)
+        if installed:
+            release = installed.group(1)
+        elif release and "pytest" in line and "tests/test_" in line:
+            subsets[release] = set(re.findall(r"tests/(test_\w+)\.py", line))
+    return subsets
+
+
+def test_versions_page_lists_what_ci_runs() -> None:
+    """docs/versions.md's "Tested where" row of each release CI runs a subset on names every test
+    file CI runs there, and the release CI runs the full suite on is the one it says."""
+    subsets = _ci_subsets()
+    assert len(subsets) >= 2, subsets  # the releases beside the main one
+    rows = {
+        row.split("|")[1].strip(): row
+        for row in (DOCS / "versions.md").read_text().splitlines()
+        if row.startswith("| 2.")
+    }
+    wrong = []
+    for release, files in sorted(subsets.items()):
+        row = next((r for name, r in rows.items() if name.startswith(release + " ")), None)
+        if row is None:
+            wrong.append(f"no row for torch {release}, which .ci/run tests")
+            continue
+        missing = sorted(files - set(re.findall(r"`(test_\w+)`", row)))
+        if missing:
+            wrong.append(f"torch {release}: .ci/run runs {missing}, which the row leaves out")
+    ci = (DOCS.parent / ".ci" / "run").read_text()
+    main_torch = re.findall(r"pip install -q torch==(\S+)\n", ci)[-1]
+    if not any(n.startswith(main_torch) and "full test suite" in r for n, r in rows.items()):
+        wrong.append(f"versions.md does not say the full suite runs on torch {main_torch}")
+    assert not wrong, wrong
+
+
 # -- links between the pages ------------------------------------------------------------------
 def _anchors(text: str) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
