@@ -1,6 +1,8 @@
 """Every Python example in docs/ runs against the current code (a page may be one script in
-several blocks: see CONTINUES), every error message the docs quote is printed by a raise site in
-fprep/, the `fprep plan` output shown is what it prints, and links between pages lead somewhere."""
+several blocks: see CONTINUES; finetune.md also under torchrun), every error message the docs
+quote is printed by a raise site in fprep/, the `fprep plan` and `fprep demo` output shown is what
+they print, the figures and the supported torch range the pages quote are what the code computes
+and declares now, and links between pages lead somewhere."""
 
 from __future__ import annotations
 
@@ -58,16 +60,33 @@ def test_continued_blocks_follow_a_program() -> None:
 
 # -- command output shown in docs/ ------------------------------------------------------------
 #: A `text` block right after a `bash` block whose first line is one of these commands shows its
-#: output (`...` for lines left out); the test runs the command and compares.
-OUTPUT_OF = re.compile(r"```bash\n(fprep plan [^\n]*)\n.*?```\s*```text\n(.*?)```", re.S)
+#: output (`...` for lines left out); the test runs the command and compares. (The rest of the
+#: `bash` block holds no backtick: the match never runs past its end.)
+OUTPUT_OF = re.compile(
+    r"```bash\n(fprep (?:plan|demo)(?: [^\n]*)?)\n[^`]*```\s*```text\n(.*?)```", re.S
+)
 OUTPUTS = [
     (page.name, command, shown)
     for page in sorted(DOCS.glob("*.md"))
     for command, shown in OUTPUT_OF.findall(page.read_text())
 ]
+#: Times in `fprep demo`'s output (per step, padded to a width; in all), which vary from run to
+#: run.
+TIMES = re.compile(r" +\d+(?:\.\d+)? ms/step|(?<=, )\d+(?:\.\d+)? s$")
 
 
-@pytest.mark.parametrize(("page", "command", "shown"), OUTPUTS, ids=[c for _, c, _ in OUTPUTS])
+def _untimed(line: str) -> str:
+    return TIMES.sub("(time)", line)
+
+
+@pytest.mark.parametrize(
+    ("page", "command", "shown"),
+    [
+        pytest.param(*o, marks=[pytest.mark.slow] if o[1].startswith("fprep demo") else [])
+        for o in OUTPUTS
+    ],
+    ids=[c for _, c, _ in OUTPUTS],
+)
 def test_shown_output_is_what_the_command_prints(
     page: str, command: str, shown: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -76,17 +95,76 @@ def test_shown_output_is_what_the_command_prints(
     from fprep.cli import main
 
     assert main(shlex.split(command)[1:]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    printed = [_untimed(line) for line in capsys.readouterr().out.splitlines()]
     at = 0
-    for line in shown.splitlines():
+    for line in map(_untimed, shown.splitlines()):
         if line.strip() == "...":
             continue
         assert line in printed[at:], f"docs/{page}: `{command}` no longer prints {line!r}"
         at = printed.index(line, at) + 1
 
 
+def test_demo_times_are_all_that_is_left_unchecked() -> None:
+    """Only the times are masked: a loss, a step count or a bar in the same line still count."""
+    shown = "[####] step 200/200  loss  0.0295    81.7 ms/step"
+    assert _untimed(shown) == "[####] step 200/200  loss  0.0295(time)"
+    assert _untimed(shown.replace("0.0295", "0.0296")) != _untimed(shown)
+    final = "loss fell: 4.2035 (step 1) -> 0.0360 (mean of the last 20 steps), -99.1% in 200 steps"
+    final += ", 20.0 s"
+    assert _untimed(final).endswith("in 200 steps, (time)")
+    assert "4.2035" in _untimed(final) and "0.0360" in _untimed(final)
+
+
 def test_some_output_is_checked() -> None:
-    assert any(page == "getting_started.md" for page, _, _ in OUTPUTS)
+    commands = {(page, command.split()[1]) for page, command, _ in OUTPUTS}
+    assert {("getting_started.md", "plan"), ("getting_started.md", "demo")} <= commands
+    assert ("parallelism.md", "plan") in commands
+
+
+# -- a page that is one script, under torchrun ------------------------------------------------
+def _script(page: str) -> str:
+    """The page's first program with every block that continues it, as one file."""
+    blocks = PAGES[page]
+    end = 1
+    while end < len(blocks) and blocks[end].startswith(CONTINUES):
+        end += 1
+    return "\n".join(blocks[:end])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_finetune_page_runs_under_torchrun(tmp_path: Path) -> None:
+    """finetune.md says its script runs under torchrun as it is, given a directory every rank
+    sees: at 2 ranks each rank trains on half the batches, saves, resumes and writes the model
+    back for from_pretrained (in one process the test above runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "finetune.py"
+    script.write_text(_script("finetune.md"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(DOCS.parent),
+        "FINETUNE_DIR": str(shared),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*command, "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 of 2" in proc.stdout and "step 4: loss" in proc.stdout
+    assert "step 5:" not in proc.stdout  # half of the 8 batches per rank
+    assert (shared / "finetuned" / "model.safetensors").is_file()
 
 
 # -- error messages quoted in docs/ -----------------------------------------------------------
@@ -156,6 +234,187 @@ def test_prepared_loader_never_draws_from_the_global_rng() -> None:
 
     assert draws(DataLoader(data, batch_size=4, shuffle=True))
     assert not draws(prepared) and not draws(prepared, resume=True)
+
+
+# -- figures the pages quote, recomputed -----------------------------------------------------
+def _llama_405b_figures(tp: int) -> dict[str, str]:
+    """What `fprep plan fprep.testing.models:llama_405b --world-size 1024 --nproc-per-node 8
+    --tp <tp> --precision bf16` plans for rank 0, as the pages write it (`human_bytes`)."""
+    import fprep
+    from fprep.summary import human_bytes
+    from fprep.testing.models import llama_405b
+
+    cfg = fprep.PrepConfig(strategy="fsdp", tp=tp, wrap=("LlamaBlock",), precision="bf16")
+    topology = fprep.Topology(world_size=1024, rank=0, local_world_size=8)
+    state = fprep.plan(llama_405b(), cfg, topology).unwrap()
+    mem = fprep.estimate_memory(state)
+    *blocks, root = state.param_handles.units
+    assert root.fqn == "" and all(unit.cls.endswith("LlamaBlock") for unit in blocks)
+
+    def gathered(unit: fprep.WrapUnit) -> int:  # bf16, each parameter's tp block
+        return sum(p.gathered_numel * 2 for p in unit.params)
+
+    assert mem.largest_unit_unsharded == gathered(root) > max(map(gathered, blocks))
+    assert {gathered(unit) for unit in blocks} == {gathered(blocks[0])}
+    head = {p.fqn: p.shape for p in root.params}["output.weight"]
+    return {
+        "params": human_bytes(mem.params),
+        "grads": human_bytes(mem.grads),
+        "adam": human_bytes(mem.adam),
+        "total": human_bytes(mem.total("adam")),
+        "root": human_bytes(gathered(root)),
+        "block": human_bytes(gathered(blocks[0])),
+        "head": f"{head[0]} x {head[1]}",
+    }
+
+
+def _tiny_gpt_params(world_size: int) -> str:
+    """getting_started.md's train.py: this rank's parameter bytes under fsdp at ``world_size``."""
+    import fprep
+    from fprep.summary import human_bytes
+    from fprep.testing.models import GPTBlock, tiny_gpt
+
+    cfg = fprep.PrepConfig(strategy="fsdp", wrap=GPTBlock, seed=0)
+    state = fprep.plan(tiny_gpt(seed=0), cfg, fprep.Topology(world_size=world_size)).unwrap()
+    return human_bytes(fprep.estimate_memory(state).params)
+
+
+def _claims() -> list[tuple[str, str]]:
+    """(page, sentence) for each figure a page quotes, rendered from what the code computes."""
+    tp8, fsdp = _llama_405b_figures(8), _llama_405b_figures(1)
+    assert tp8["total"] == fsdp["total"]  # parallelism.md: "the same ... either way"
+    half, whole = _tiny_gpt_params(2), _tiny_gpt_params(1)
+    return [
+        (
+            "getting_started.md",
+            f"(`this rank params {half}` in the summary, against {whole} alone)",
+        ),
+        ("README.md", f"({tp8['total']} per rank of parameters, gradients and Adam state;"),
+        ("parallelism.md", f"the output head ({tp8['head']} each, split over tp)"),
+        ("parallelism.md", f"gathers its TP slice of them, {tp8['root']} in bf16."),
+        ("parallelism.md", f"A block's TP slice is {tp8['block']}."),
+        ("parallelism.md", f"the root gathers whole, {fsdp['root']} in bf16"),
+        ("parallelism.md", f"and each block {fsdp['block']}."),
+        ("parallelism.md", f"The per-rank total is the same {tp8['total']} either way"),
+    ]
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def test_quoted_figures_are_what_the_code_computes() -> None:
+    """The plan figures pages quote in prose (the 405B plan's in README.md and parallelism.md,
+    train.py's shard in getting_started.md; the `fprep plan` output the pages show is compared
+    above): each sentence, rendered from the plan fprep makes now."""
+    root = DOCS.parent
+    stale = []
+    for page, sentence in _claims():
+        path = root / page if page == "README.md" else DOCS / page
+        if _flat(sentence) not in _flat(path.read_text()):
+            stale.append(f"{page}: expected {sentence!r}")
+    assert not stale, "pages quote figures the code no longer computes:\n" + "\n".join(stale)
+
+
+def test_every_405b_figure_in_prose_is_a_computed_one() -> None:
+    """A paragraph about the 405B plan quotes only figures of that plan (with or without TP): a
+    new figure added without a claim above, or a stale one left, fails here."""
+    known = {v for tp in (8, 1) for v in _llama_405b_figures(tp).values()}
+    root = DOCS.parent
+    unknown = []
+    for path in [*sorted(DOCS.glob("*.md")), root / "README.md"]:
+        prose = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        # paragraphs, and each row of a table on its own (a row is one script's figures)
+        units = [
+            unit
+            for paragraph in prose.split("\n\n")
+            for unit in (paragraph.splitlines() if paragraph.startswith("|") else [paragraph])
+        ]
+        for unit in units:
+            if "405B" not in unit and "llama_405b" not in unit:
+                continue
+            for figure in re.findall(r"\d+(?:\.\d+)? [KMGT]?iB\b", unit):
+                if figure not in known:
+                    unknown.append(f"{path.name}: {figure}")
+    assert not unknown, unknown
+
+
+# -- the supported torch releases -------------------------------------------------------------
+def _supported() -> tuple[str, str, str]:
+    """(oldest, newest tested, first unsupported) as `major.minor`, from fprep.compat."""
+    from fprep import compat
+
+    lo, hi = compat.MIN_TORCH, compat.NEWEST_TESTED
+    return f"{lo[0]}.{lo[1]}", f"{hi[0]}.{hi[1]}", f"{hi[0]}.{hi[1] + 1}"
+
+
+def test_pyproject_requires_the_supported_torch() -> None:
+    lo, _, above = _supported()
+    pyproject = (DOCS.parent / "pyproject.toml").read_text()
+    assert f'"torch>={lo},<{above}"' in pyproject
+
+
+def test_pages_state_the_supported_torch_range() -> None:
+    """Every "2.x to 2.y" on a page is the supported range (fprep.compat's MIN_TORCH to
+    NEWEST_TESTED; other ranges of releases are written out, "2.13, 2.14 and 2.15"), and every
+    `torch>=…,<…` is pyproject's. docs/versions.md states it; the other pages must agree."""
+    lo, hi, above = _supported()
+    major = lo.split(".")[0]
+    root = DOCS.parent
+    wrong = []
+    seen = set()
+    for path in [*sorted(DOCS.glob("*.md")), root / "README.md"]:
+        text = _flat(path.read_text())
+        for first, last in re.findall(rf"\b({major}\.\d+) to ({major}\.\d+)\b", text):
+            seen.add(path.name)
+            if (first, last) != (lo, hi):
+                wrong.append(f"{path.name}: {first} to {last} (supported: {lo} to {hi})")
+        for first, last in re.findall(r"torch>=(\d+\.\d+),<(\d+\.\d+)", text):
+            if (first, last) != (lo, above):
+                wrong.append(f"{path.name}: torch>={first},<{last} (pyproject: >={lo},<{above})")
+    assert not wrong, wrong
+    assert {"versions.md", "getting_started.md", "README.md"} <= seen
+
+
+def _ci_subsets() -> dict[str, set[str]]:
+    """The torch releases .ci/run installs beside the main one, each with the test files it runs
+    there (one `pip install ... torch==X` then one `pytest` command per release)."""
+    ci = (DOCS.parent / ".ci" / "run").read_text().replace("\\\n", " ")
+    subsets: dict[str, set[str]] = {}
+    release = None
+    for line in ci.splitlines():
+        installed = re.search(r"pip install .*torch==(\S+)", line)
+        if installed:
+            release = installed.group(1)
+        elif release and "pytest" in line and "tests/test_" in line:
+            subsets[release] = set(re.findall(r"tests/(test_\w+)\.py", line))
+    return subsets
+
+
+def test_versions_page_lists_what_ci_runs() -> None:
+    """docs/versions.md's "Tested where" row of each release CI runs a subset on names every test
+    file CI runs there, and the release CI runs the full suite on is the one it says."""
+    subsets = _ci_subsets()
+    assert len(subsets) >= 2, subsets  # the releases beside the main one
+    rows = {
+        row.split("|")[1].strip(): row
+        for row in (DOCS / "versions.md").read_text().splitlines()
+        if row.startswith("| 2.")
+    }
+    wrong = []
+    for release, files in sorted(subsets.items()):
+        row = next((r for name, r in rows.items() if name.startswith(release + " ")), None)
+        if row is None:
+            wrong.append(f"no row for torch {release}, which .ci/run tests")
+            continue
+        missing = sorted(files - set(re.findall(r"`(test_\w+)`", row)))
+        if missing:
+            wrong.append(f"torch {release}: .ci/run runs {missing}, which the row leaves out")
+    ci = (DOCS.parent / ".ci" / "run").read_text()
+    main_torch = re.findall(r"pip install -q torch==(\S+)\n", ci)[-1]
+    if not any(n.startswith(main_torch) and "full test suite" in r for n, r in rows.items()):
+        wrong.append(f"versions.md does not say the full suite runs on torch {main_torch}")
+    assert not wrong, wrong
 
 
 # -- links between the pages ------------------------------------------------------------------
