@@ -1,7 +1,8 @@
-"""The ``fprep`` command line: ``fprep plan``, ``fprep env`` and ``fprep demo``.
+"""The ``fprep`` command line: ``fprep plan``, ``fprep env``, ``fprep demo`` and ``--version``.
 
 Errors are printed as one clear line (the ``PrepError`` message and hint) with exit status 2,
-never as a traceback (fprep.cli_run).
+never as a traceback (fprep.cli_run). How ``fprep plan`` builds the model it is named is
+fprep.cli_model; what it prints about the plan, fprep.cli_report.
 """
 
 from __future__ import annotations
@@ -304,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="versions (fprep, Python, torch, transformers), devices, backends, launcher variables",
         description="Print the versions of fprep, Python, torch and transformers (if installed), "
         "the devices, process-group backends, the launcher's "
-        "variables and the topology fprep reads from them.",
+        "variables and the topology fprep reads from them. When the world size is above 1, "
+        "warn (on stderr) about a missing processes-per-node count or MASTER_ADDR / "
+        "MASTER_PORT.",
     )
     e.add_argument("--json", action="store_true", help="print it as JSON")
     e.set_defaults(func=_cmd_env)

@@ -138,15 +138,17 @@ def _load_file(source: str) -> ModuleType:
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    # Named after the file, unless that would replace a module already imported (json.py).
+    name = path.stem if path.stem not in sys.modules else f"_fprep_plan_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None  # a .py file always has a loader
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # dataclasses and pickling look the module up by name
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
         with _stdout_to_stderr():
             spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:
-        del sys.modules[path.stem]
+        del sys.modules[name]
         raise ConfigError(
             f"running {source!r} raised {_one_line(e)}.",
             subject="builder",
@@ -158,15 +160,22 @@ def _load_file(source: str) -> ModuleType:
 def _attribute(module: ModuleType, source: str, attr: str) -> Callable[[], Any]:
     obj: Any = module
     for i, part in enumerate(attr.split(".")):
-        if not hasattr(obj, part):
-            where = ".".join([source, *attr.split(".")[:i]]) if i else source
+        where = ".".join([source, *attr.split(".")[:i]])
+        try:  # lazy modules (transformers) import on attribute access, and that may fail
+            obj = getattr(obj, part)
+        except AttributeError:
             raise ConfigError(
                 f"{where!r} has no attribute {part!r}.",
                 subject="builder",
                 hint="Name the function that builds the model, e.g. "
                 f"{source}:build_model. " + FORMS,
-            )
-        obj = getattr(obj, part)
+            ) from None
+        except Exception as e:
+            raise ConfigError(
+                f"looking up {part!r} in {where!r} raised {_one_line(e)}.",
+                subject="builder",
+                hint="Install what the error names, or name another builder.",
+            ) from None
     if not callable(obj):
         raise ConfigError(
             f"'{source}:{attr}' is not callable.",
@@ -180,7 +189,7 @@ def _required_arguments(builder: Callable[[], Any]) -> list[str]:
     """The parameters ``builder`` cannot be called without (none when it cannot be told)."""
     try:
         signature = inspect.signature(builder)
-    except (TypeError, ValueError):  # some builtins and C classes have no signature
+    except Exception:  # builtins and C classes may have none: the call will tell
         return []
     return [
         p.name
@@ -214,7 +223,7 @@ def _call_on_meta(builder: Callable[[], Any], spec: str) -> torch.nn.Module:
     try:
         with _stdout_to_stderr(), torch.device("meta"):
             model = builder()
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         hint = (
             _needs_arguments_hint(builder)
             if isinstance(e, TypeError)

@@ -47,6 +47,9 @@ MODELS = textwrap.dedent(
 
     def calls_badly():
         return NeedsWidth()
+
+    def exits():
+        raise SystemExit(4)
     """
 )
 
@@ -74,6 +77,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "models" / "model.py").write_text(FILE_MODEL)
     (root / "models" / "sibling.py").write_text("WIDTH = 12\n")
     (root / "notes.txt").write_text("not a model\n")
+    lazy = "def __getattr__(name):\n    raise ImportError('needs a_backend')\n"
+    (root / "lazy_module.py").write_text(lazy)  # as transformers' lazy attributes can fail
+    (root / "shadow").mkdir()
+    (root / "shadow" / "json.py").write_text(
+        FILE_MODEL.replace("from sibling import WIDTH", "WIDTH = 3")
+    )
     configs: dict[str, str] = {
         "not_json": "{model_type: llama",
         "a_list": "[1, 2]",
@@ -110,6 +119,8 @@ SUBPROCESS_CASES = [
 IN_PROCESS_CASES = [
     ("named_models:NeedsWidth", ["needs arguments (width)"]),
     ("named_models:calls_badly", ["raised TypeError", "takes no arguments"]),
+    ("named_models:exits", ["calling 'named_models:exits' raised SystemExit: 4"]),
+    ("lazy_module:Model", ["looking up 'Model' in 'lazy_module' raised ImportError: needs a_"]),
     ("named_models.sub:build", ["no module named 'named_models.sub'"]),
     ("torch.nn.Nope:x", ["no module named 'torch.nn.Nope'"]),
     ("torch:nn.Nope", ["'torch.nn' has no attribute 'Nope'"]),
@@ -167,6 +178,15 @@ def test_a_builder_in_a_file_given_by_its_path(workdir: Path) -> None:
     done = run_fprep(workdir, "plan", "./models/model.py:build", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["model"]["parameters"] == 2 * (12 * 12 + 12)
+
+
+def test_a_file_named_like_an_imported_module_does_not_replace_it(
+    in_workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """./shadow/json.py:build runs that file; the json module fprep prints with stays json."""
+    assert main(["plan", "./shadow/json.py:build", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["parameters"] == 2 * (3 * 3 + 3)
+    assert sys.modules["json"] is json
 
 
 def test_what_a_builder_prints_goes_to_stderr(
