@@ -273,10 +273,10 @@ def _from_config(path: Path, notes: list[str]) -> torch.nn.Module:
             why = "its model needs code from the model's repository (auto_map), which fprep does "
             raise _bad_config(file, why + "not run") from None
         raise _bad_config(file, f"transformers cannot read it ({_one_line(e)})") from None
-    stored = getattr(config, "dtype", None)
-    if stored is not None and stored != torch.float32:
+    stored = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    if stored != "float32":  # a torch.dtype, or its name in older transformers
         notes.append(
-            f"{file} stores {str(stored).removeprefix('torch.')} weights; the plan is for "
+            f"{file} stores {stored} weights; the plan is for "
             "float32 ones (mixed precision's master weights). For 16-bit parameters, build "
             "the model in a builder function of your own."
         )

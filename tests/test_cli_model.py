@@ -266,6 +266,27 @@ def test_a_16_bit_config_is_planned_in_float32_and_says_so(
     assert capsys.readouterr().err == ""
 
 
+def test_a_config_without_transformers_installed_says_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    directory = _save_config(tmp_path / "llama", tf.LlamaConfig(**TINY_LLAMA))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    assert main(["plan", str(directory)]) == 2
+    captured = capsys.readouterr()
+    assert_one_line_error(
+        subprocess.CompletedProcess([], 2, captured.out, captured.err),
+        "is a transformers config, and transformers is not installed",
+        "pip install transformers",
+    )
+
+
 def test_the_command_line_does_not_import_transformers() -> None:
     """transformers takes seconds to import and is optional: only a config.json loads it."""
     code = "import sys, fprep.cli, fprep.cli_model; print('transformers' in sys.modules)"
