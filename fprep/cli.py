@@ -1,118 +1,35 @@
-"""The ``fprep`` command line: ``fprep plan``, ``fprep env`` and ``fprep demo``.
+"""The ``fprep`` command line: ``fprep plan``, ``fprep env``, ``fprep demo`` and ``--version``.
 
 Errors are printed as one clear line (the ``PrepError`` message and hint) with exit status 2,
-never as a traceback (fprep.cli_run).
+never as a traceback (fprep.cli_run). How ``fprep plan`` builds the model it is named is
+fprep.cli_model; what it prints about the plan, fprep.cli_report.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import sys
-import textwrap
-from collections.abc import Callable, Sequence
-from typing import Any, get_args
+from collections.abc import Mapping, Sequence
+from typing import get_args
 
 import torch
 from returns.result import Failure
 
 from fprep import demo
+from fprep.cli_model import FORMS, build_model
+from fprep.cli_report import memory_table, plan_json
 from fprep.cli_run import run_command
 from fprep.config import Precision, PrepConfig, Sharding, Strategy
 from fprep.errors import ConfigError
-from fprep.memory import estimate_memory
 from fprep.planning import plan
 from fprep.policies import repeated_block_classes
 from fprep.snapshot import ModuleTree
-from fprep.state import PrepState
-from fprep.summary import human_bytes
 from fprep.topology import Topology, detect_device_type
-
-
-def _load_builder(spec: str) -> Callable[[], Any]:
-    """``package.module:function`` -> the function; the current directory is importable."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"expected MODULE:BUILDER, got {spec!r}.",
-            subject="builder",
-            hint="For example: fprep plan mypkg.models:build_model --world-size 64",
-        )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot import {spec!r}: {e}.", subject="builder") from None
-    if not callable(obj):
-        raise ConfigError(f"{spec!r} is not callable.", subject="builder")
-    return obj  # type: ignore[no-any-return]
-
-
-def _build_on_meta(builder: Callable[[], Any]) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = builder()
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(
-            f"the builder returned {type(model).__qualname__}, not an nn.Module.",
-            subject="builder",
-        )
-    return model
-
-
-#: What the per-rank total leaves out: a plan knows no batch, sequence length or allocator.
-NOT_COUNTED = (
-    "the units gathered during forward and backward (up to two the size of the largest at "
-    "once, with prefetching)",
-    "activations (they grow with batch size and sequence length)",
-    "temporary buffers (collectives, allocator fragmentation, the CUDA context)",
-)
-
-
-def _memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
-    mem = estimate_memory(state, async_checkpoint=async_checkpoint)
-    rows = [
-        ("parameters", mem.params),
-        ("gradients", mem.grads),
-        ("Adam state", mem.adam),
-        ("SGD momentum", mem.sgd_momentum),
-        ("total (Adam)", mem.total("adam")),
-        ("largest unit gathered", mem.largest_unit_unsharded),
-    ]
-    where = "host (offload)" if mem.on_host else "device"
-    lines = [f"per-rank memory ({where}):"]
-    if async_checkpoint:  # fprep.save(wait=False): a staged copy, always in host memory
-        rows.append(("host: async staging max", mem.checkpoint_staging("adam")))
-    lines += [f"  {name:<24}{human_bytes(value):>14}" for name, value in rows]
-    lines += textwrap.wrap(
-        "the total leaves out: " + "; ".join(NOT_COUNTED) + ".",
-        width=96,
-        initial_indent="  ",
-        subsequent_indent="  ",
-    )
-    return "\n".join(lines)
-
-
-def _plan_json(state: PrepState) -> dict[str, Any]:
-    mem = estimate_memory(state)
-    core = state.core
-    handles = state.param_handles
-    return {
-        "world_size": state.topology.world_size,
-        "rank": state.topology.rank,
-        "strategy": core.strategy if core else None,
-        "units": [u.fqn for u in handles.units] if handles else [],
-        "nodes": state.topology.num_nodes,
-        "nproc_per_node": state.topology.local_world_size,
-        "memory_bytes": {**dataclasses.asdict(mem), "total_adam": mem.total("adam")},
-        "total_leaves_out": list(NOT_COUNTED),
-    }
 
 
 def _check_nodes(args: argparse.Namespace) -> None:
@@ -142,7 +59,8 @@ def _one_node_note(args: argparse.Namespace) -> str | None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     _check_nodes(args)
-    model = _build_on_meta(_load_builder(args.builder))
+    notes: list[str] = []
+    model = build_model(args.model, notes=notes)
     wrap = tuple(args.wrap) if args.wrap else repeated_block_classes(ModuleTree.of(model))
     cfg = PrepConfig(
         strategy=args.strategy,
@@ -163,28 +81,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(result, Failure):
         raise result.failure()
     state = result.unwrap()
-    note = _one_node_note(args)
-    if note is not None:
-        print(note, file=sys.stderr)
+    one_node = _one_node_note(args)
+    for note in (*notes, *([one_node] if one_node else [])):
+        print(note if note.startswith("fprep: ") else f"fprep: note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps(_plan_json(state), indent=2))
+        print(json.dumps(plan_json(state, args.async_checkpoint), indent=2))
     else:
         print(state.summary())
-        print(_memory_table(state, args.async_checkpoint))
+        print(memory_table(state, args.async_checkpoint))
     return 0
+
+
+def fprep_version() -> str:
+    """The installed distribution's version (its package metadata); ``fprep.__version__`` where
+    fprep runs from a source tree that was never installed."""
+    try:
+        return importlib.metadata.version("fprep")
+    except importlib.metadata.PackageNotFoundError:
+        from fprep import __version__
+
+        return __version__
 
 
 def _versions() -> dict[str, str]:
     """fprep's, Python's, torch's and (when installed) transformers' versions: what a bug report
     needs first. transformers is optional: left out when it cannot be found, and read from its
     package metadata, not imported (which takes seconds)."""
-    import importlib.metadata
     import platform
 
-    from fprep import __version__
-
     versions = {
-        "fprep": __version__,
+        "fprep": fprep_version(),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
@@ -194,6 +120,43 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:  # importable, yet not installed
             versions["transformers"] = "(no package metadata)"
     return versions
+
+
+#: Per launcher (as ``Topology.from_env`` reads them): the world-size variable and the
+#: processes-per-node one.
+_LOCAL_SIZE_VARS = (
+    ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "torchrun sets it; export it with your own launcher"),
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun sets it"),
+    ("PMI_SIZE", "MPI_LOCALNRANKS", "mpiexec sets it"),
+)
+
+
+def launch_warnings(env: Mapping[str, str]) -> list[str]:
+    """What a distributed launch (world size above 1) is missing: the processes-per-node count
+    (without it fprep assumes one node of every process) and the rendezvous address."""
+    topology = Topology.from_env(env, device_type="cpu")
+    if topology.world_size <= 1:
+        return []
+    warnings = []
+    world_var, local_var, who = next(
+        (w, local, who) for w, local, who in _LOCAL_SIZE_VARS if w in env
+    )
+    if local_var not in env:
+        warnings.append(
+            f"{world_var}={topology.world_size} but {local_var} is not set, so fprep assumes "
+            f"one node running all {topology.world_size} processes (rank {topology.rank} uses "
+            f"local rank {topology.local_rank}). Set {local_var} to the processes per node "
+            f"({who}), or launch with torchrun --nproc-per-node N."
+        )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if missing:
+        warnings.append(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so the "
+            f"{topology.world_size} processes have no address to meet at. Set MASTER_ADDR to "
+            "rank 0's host and MASTER_PORT to a free port on every process (torchrun sets "
+            "both; with mpirun, export them: -x MASTER_ADDR -x MASTER_PORT)."
+        )
+    return warnings
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -208,9 +171,15 @@ def _cmd_env(args: argparse.Namespace) -> int:
         "MASTER_PORT",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
         "PMI_SIZE",
         "PMI_RANK",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
     )
+    topology = Topology.from_env()
+    warnings = launch_warnings(os.environ)
     info = {
         **_versions(),
         "device_type": detect_device_type(),
@@ -224,13 +193,17 @@ def _cmd_env(args: argparse.Namespace) -> int:
             )
         },
         "launcher": {k: os.environ[k] for k in launcher_vars if k in os.environ},
-        "topology": dataclasses.asdict(Topology.from_env()),
+        "topology": dataclasses.asdict(topology),
+        "warnings": warnings,
     }
+    for warning in warnings:  # on stderr: --json's standard output stays JSON
+        print(f"fprep: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         for key, value in info.items():
-            print(f"{key:<12} {value}")
+            if key != "warnings":
+                print(f"{key:<12} {value}")
     return 0
 
 
@@ -243,15 +216,24 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fprep", description=DESCRIPTION)
+    parser.add_argument(
+        "--version", action="version", version=f"fprep {fprep_version()}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,env,demo}")
 
     p = sub.add_parser(
         "plan",
         help="plan a model built on the meta device; print per-rank memory",
-        description="Build MODULE:BUILDER's model on the meta device (no memory), plan it for "
-        "one rank of a job and print the plan and that rank's memory.",
+        description="Build a model on the meta device (no memory, no weights), plan it for "
+        "one rank of a job and print the plan and that rank's memory. " + FORMS + " A "
+        "config.json is built by transformers in float32, as a model not yet downloaded.",
     )
-    p.add_argument("builder", help="MODULE:BUILDER, a function returning an nn.Module")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="MODULE:BUILDER or FILE.py:BUILDER (a function taking no arguments and returning "
+        "an nn.Module), or a transformers config.json or a directory holding one",
+    )
     p.add_argument("--world-size", type=int, default=1, help="processes in the job (default 1)")
     p.add_argument("--rank", type=int, default=0, help="the rank to plan for (default 0)")
     p.add_argument(
@@ -308,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print strategy, units and memory bytes as JSON instead of the summary",
+        help="print the plan as JSON instead of the summary: everything the summary shows "
+        "(mesh, tensor parallelism, precision, units, ...) and the memory in bytes",
     )
     p.add_argument(
         "--async-checkpoint",
@@ -322,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="versions (fprep, Python, torch, transformers), devices, backends, launcher variables",
         description="Print the versions of fprep, Python, torch and transformers (if installed), "
         "the devices, process-group backends, the launcher's "
-        "variables and the topology fprep reads from them.",
+        "variables and the topology fprep reads from them. When the world size is above 1, "
+        "warn (on stderr) about a missing processes-per-node count or MASTER_ADDR / "
+        "MASTER_PORT.",
     )
     e.add_argument("--json", action="store_true", help="print it as JSON")
     e.set_defaults(func=_cmd_env)

@@ -6,9 +6,13 @@ import argparse
 import json
 import re
 import textwrap
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fprep.cli import build_parser, main
 
@@ -208,3 +212,277 @@ def test_python_dash_m_fprep_is_the_command_line(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr.startswith("fprep: error: expected MODULE:BUILDER")
     assert "Traceback" not in bad.stderr
     assert "usage: fprep" in fprep("--help").stdout
+
+
+# -- --version ---------------------------------------------------------------------------------
+def test_version_is_the_package_metadata_and_what_env_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.metadata
+
+    from _cli import run_fprep
+
+    done = run_fprep(tmp_path, "--version")
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout == f"fprep {importlib.metadata.version('fprep')}\n"
+    assert main(["env", "--json"]) == 0
+    assert done.stdout.split() == ["fprep", json.loads(capsys.readouterr().out)["fprep"]]
+
+
+def test_version_without_package_metadata_is_the_source_tree_s(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fprep run from a source tree that was never installed has no metadata: the version in
+    fprep/__init__.py stands in."""
+    import importlib.metadata
+
+    import fprep
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "fprep":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(fprep, "__version__", "9.8.7")  # tells it from the metadata's
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == "fprep 9.8.7\n"
+    assert main(["env", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fprep"] == "9.8.7"
+
+
+# -- --json carries what the summary prints ----------------------------------------------------
+def _expected_line(label: str, value: str, data: dict[str, Any]) -> str | bool:
+    """What the summary line ``label`` should say, rendered from the JSON (or, for lines one of
+    many, whether the JSON holds ``value``)."""
+    from fprep.summary import human_bytes, human_count
+
+    model, precision, mesh = data["model"], data["precision"], data["mesh"]
+    tp, memory = data["tensor_parallel"], data["memory_bytes"]
+    if label == "model":
+        return (
+            f"{model['class']}: {human_count(model['parameters'])} parameters in "
+            f"{model['tensors']} tensors, {model['modules']} modules"
+            + (" (meta)" if model["meta"] else "")
+        )
+    if label == "strategy":
+        requested = data["requested_strategy"]
+        extra = f" (requested {requested})" if requested != data["strategy"] else ""
+        return f"{data['strategy']}{extra}"
+    if label == "precision":
+        roles = (
+            ("params", "param_dtype"),
+            ("reduce", "reduce_dtype"),
+            ("autocast", "autocast_dtype"),
+        )
+        return (
+            precision["name"]
+            + "".join(f", {word} {precision[key]}" for word, key in roles if precision[key])
+            + (", grad scaling" if precision["grad_scaling"] else "")
+        )
+    if label == "fp8":
+        fp8 = precision["fp8"]
+        gather = ", float8 all-gather" if fp8["float8_all_gather"] else ""
+        return (
+            f"{fp8['recipe']}: {len(fp8['modules'])} Linear layers in float8{gather}, "
+            f"{len(fp8['kept'])} kept in bf16"
+        )
+    if label == "kept":  # one line per layer kept in bf16: "<fqn>: <why>"
+        fqn, why = value.split(": ", 1)
+        return precision["fp8"]["kept"].get(fqn) == why
+    if label == "...":  # "... and N more (...)"
+        return int(value.split()[1]) == len(precision["fp8"]["kept"]) - 8
+    if label == "mesh":
+        dims = "x".join(f"{n}={s}" for n, s in zip(mesh["dim_names"], mesh["shape"], strict=True))
+        return f"{dims}, shard group of {mesh['shard_group_size']}"
+    if label == "tensor par.":
+        return (
+            f"tp={tp['size']} ({tp['plan_source']} plan): {len(tp['modules'])} modules, "
+            f"{len(tp['params'])} parameters split; tp group {tp['group'][0]}..{tp['group'][-1]}"
+            + (", loss parallel" if tp["loss_parallel"] else "")
+        )
+    if label == "fp8 x tp":
+        counts = Counter(tp["float8"].values())
+        return ", ".join(f"{n} float8 Linear under {c}" for c, n in counts.items())
+    if label == "device":
+        device = data["device"]
+        return f"{device['compute_device']} (from {device['source']}), backend {device['backend']}"
+    if label == "ignored":
+        return f"{len(data['ignored_params'])} parameter names"
+    if label == "units":
+        return f"{len(data['units'])} (root + {len(data['units']) - 1}); init: {data['init']}"
+    if label == "this rank":
+        b = {k: human_bytes(v) for k, v in memory.items() if isinstance(v, int)}
+        where = "host" if data["memory_on_host"] else "device"
+        return (
+            f"params {b['params']}, grads {b['grads']}, Adam {b['adam']} ({where}); "
+            f"largest unit gathered {b['largest_unit_unsharded']}"
+        )
+    if label == "note":
+        return value in data["notes"] or (tp is not None and value in tp["notes"])
+    raise AssertionError(f"the summary prints a {label!r} line that --json does not carry")
+
+
+AGREEMENT_CASES = {
+    "one process": ["fprep.testing.models:llama_tiny"],
+    "hsdp": [
+        "fprep.testing.models:llama_tiny",
+        "--world-size",
+        "16",
+        "--nproc-per-node",
+        "4",
+        "--strategy",
+        "hsdp",
+        "--rank",
+        "13",
+        "--precision",
+        "fp16",
+        "--device-type",
+        "cpu",
+    ],
+    "tp and sequence parallel": [
+        "fprep.testing.models:llama_tiny",
+        "--world-size",
+        "8",
+        "--nproc-per-node",
+        "8",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--rank",
+        "5",
+    ],
+    "fp8 and tp": [
+        "fprep.testing.models:llama_8b",
+        "--world-size",
+        "8",
+        "--nproc-per-node",
+        "8",
+        "--tp",
+        "2",
+        "--precision",
+        "fp8",
+    ],
+}
+
+
+@pytest.mark.parametrize("argv", AGREEMENT_CASES.values(), ids=AGREEMENT_CASES.keys())
+def test_json_and_the_summary_agree(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Every line of the summary is rendered again from --json's data and compared: a fact the
+    summary prints and the JSON leaves out (or says otherwise) fails here."""
+    assert main(["plan", *argv]) == 0
+    text = capsys.readouterr().out
+    summary = text[: text.index("per-rank memory")].splitlines()
+    assert main(["plan", *argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert summary[0] == (
+        f"fprep plan — rank {data['rank']} of {data['world_size']} "
+        f"({data['nodes']} node(s) x {data['nproc_per_node']})"
+    )
+    for line in summary[1:]:
+        if line.startswith(
+            "    "
+        ):  # fp8's kept layers: "    kept <fqn>: <why>", "    ... and N more"
+            label, _, value = line.strip().partition(" ")
+        else:
+            label, value = line[2:14].strip(), line[14:]
+        expected = _expected_line(label, value, data)
+        assert expected is True or expected == value, (label, value, expected)
+
+
+def test_json_carries_the_mesh_tp_and_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's three: Llama 405B over 1024 GPUs, FSDP x TP8, bf16."""
+    argv = ["plan", "fprep.testing.models:llama_405b", "--world-size", "1024"]
+    assert main([*argv, "--nproc-per-node", "8", "--tp", "8", "--sequence-parallel", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"]["shape"] == [128, 8] and data["mesh"]["dim_names"][-1] == "tp"
+    assert data["tp"] == 8 and data["tensor_parallel"]["size"] == 8
+    assert data["sequence_parallel"] is True
+    assert data["precision"]["name"] == "bf16"
+    assert data["precision"]["param_dtype"] == "bfloat16"
+
+
+# -- fprep env warns about a launch missing what several nodes need ----------------------------
+def _launch(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    from _cli import LAUNCHER_VARS
+
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_env_warns_when_the_local_size_and_address_are_missing(tmp_path: Path) -> None:
+    """WORLD_SIZE without LOCAL_WORLD_SIZE plans one node of every process (rank 9 on cuda:9),
+    the mis-launch docs/multinode.md has users check with `fprep env`; without MASTER_ADDR the
+    ranks cannot meet. Both warned on stderr, exit status still 0."""
+    from _cli import run_fprep
+
+    done = run_fprep(
+        tmp_path,
+        "env",
+        env={"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "MASTER_PORT": "29500"},
+    )
+    assert done.returncode == 0 and "topology" in done.stdout
+    warnings = done.stderr.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("fprep: warning: ") for w in warnings)
+    assert "WORLD_SIZE=16 but LOCAL_WORLD_SIZE is not set" in warnings[0]
+    assert "Set LOCAL_WORLD_SIZE to the processes per node" in warnings[0]
+    assert "MASTER_ADDR is not set" in warnings[1] and "Set MASTER_ADDR" in warnings[1]
+
+
+def test_env_json_lists_the_warnings_and_a_full_launch_has_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _launch(
+        monkeypatch,
+        OMPI_COMM_WORLD_SIZE="16",
+        OMPI_COMM_WORLD_RANK="3",
+        MASTER_ADDR="node0",
+        MASTER_PORT="29500",
+    )
+    assert main(["env", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert len(data["warnings"]) == 1 and "OMPI_COMM_WORLD_LOCAL_SIZE" in data["warnings"][0]
+    assert captured.err == f"fprep: warning: {data['warnings'][0]}\n"
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
+    assert main(["env", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["warnings"] == [] and captured.err == ""
+
+
+LAUNCHERS = [
+    ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS"),
+]
+
+
+@given(
+    launcher=st.sampled_from(LAUNCHERS),
+    world=st.integers(1, 64),
+    present=st.sets(st.sampled_from(["local", "MASTER_ADDR", "MASTER_PORT"])),
+)
+def test_launch_warnings_name_exactly_what_is_missing(
+    launcher: tuple[str, str, str], world: int, present: set[str]
+) -> None:
+    from fprep.cli import launch_warnings
+
+    world_var, rank_var, local_var = launcher
+    env = {world_var: str(world), rank_var: "0"}
+    env |= {local_var: "1"} if "local" in present else {}
+    env |= {name: "x" for name in present if name.startswith("MASTER")}
+    warnings = launch_warnings(env)
+    distributed = world > 1
+    local = [w for w in warnings if f"but {local_var} is not set" in w]
+    assert len(local) == (distributed and "local" not in present)
+    address = [w for w in warnings if w not in local]
+    # "MASTER_ADDR and MASTER_PORT are not set, ...": the names before "is/are not set"
+    named = re.split(r" (?:is|are) not set", address[0])[0].split(" and ") if address else []
+    missing = {"MASTER_ADDR", "MASTER_PORT"} - present
+    assert set(named) == (missing if distributed else set()), warnings
