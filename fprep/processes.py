@@ -36,6 +36,8 @@ Tensors = Any
 
 #: The most dimensions a gathered or padded tensor may have (the shape exchange is fixed-size).
 MAX_DIMS = 16
+_ROW = 2 + MAX_DIMS  # a tensor's row in the shape exchange: ndim, dtype, the sizes
+_INLINE = 4  # how many tensors' rows go with the structure in the first exchange
 #: dtype names by the checksum ranks exchange for them
 _DTYPE_NAMES = {
     zlib.crc32(str(d).encode()): str(d).removeprefix("torch.")
@@ -286,23 +288,32 @@ def _exchange_shapes(
     """Every rank's leaf shapes, after checking that all ranks passed the same structure and,
     leaf by leaf, the same dtype and number of dimensions. A mismatch raises the same
     ``ConfigError`` on every rank (they all see the same exchanged rows)."""
-    head = torch.tensor([zlib.crc32(spec.encode()), len(leaves)], dtype=torch.int64)
-    heads = [h.tolist() for h in all_gather(head.to(device), groups, call=call)]
-    if any(h != heads[0] for h in heads):
-        differ = [r for r, h in enumerate(heads) if h != heads[0]]
+    rows = torch.zeros(len(leaves), _ROW, dtype=torch.int64)
+    for i, leaf in enumerate(leaves):
+        rows[i, 0] = leaf.dim()
+        rows[i, 1] = zlib.crc32(str(leaf.dtype).encode())
+        if leaf.dim() <= MAX_DIMS:
+            rows[i, 2 : 2 + leaf.dim()] = torch.tensor(leaf.shape, dtype=torch.int64)
+    # One exchange of a fixed size: the structure, and the rows of the first few leaves (all
+    # of them, usually); a second one for the rest once every rank knows how many there are.
+    head = torch.zeros(2 + _INLINE * _ROW, dtype=torch.int64)
+    head[0], head[1] = zlib.crc32(spec.encode()), len(leaves)
+    inline = rows[:_INLINE].flatten()
+    head[2 : 2 + len(inline)] = inline
+    heads = all_gather(head.to(device), groups, call=call)
+    structures = [h[:2].tolist() for h in heads]
+    if any(k != structures[0] for k in structures):
+        differ = [r for r, k in enumerate(structures) if k != structures[0]]
         raise ConfigError(
             f"{call} got a different structure on process {differ[0]} than on process 0 "
             f"(other keys, nesting or number of tensors; this process passed {spec}).",
             subject="data",
             hint="Pass the same structure of tensors on every rank.",
         )
-    rows = torch.zeros(len(leaves), 2 + MAX_DIMS, dtype=torch.int64)
-    for i, leaf in enumerate(leaves):
-        rows[i, 0] = leaf.dim()
-        rows[i, 1] = zlib.crc32(str(leaf.dtype).encode())
-        if leaf.dim() <= MAX_DIMS:
-            rows[i, 2 : 2 + leaf.dim()] = torch.tensor(leaf.shape, dtype=torch.int64)
-    everyone = [r.tolist() for r in all_gather(rows.to(device), groups, call=call)]
+    if len(leaves) <= _INLINE:
+        everyone = [h[2 : 2 + len(leaves) * _ROW].reshape(-1, _ROW).tolist() for h in heads]
+    else:
+        everyone = [r.tolist() for r in all_gather(rows.to(device), groups, call=call)]
     for i in range(len(leaves)):
         ndims = [rank_rows[i][0] for rank_rows in everyone]
         dtypes = [rank_rows[i][1] for rank_rows in everyone]

@@ -114,6 +114,8 @@ def two_ranks(root: str) -> dict[str, Any]:
     # gather: what Accelerate gathers the same way; uneven rows, which it cannot
     same = (x["even"], {"labels": x["labels"], "loss": x["loss"]})
     out["gather"] = (_plain(fprep.gather(state, same)), _plain(gather(same)))
+    many = {f"t{i}": x["even"] * i for i in range(6)}  # more than go with the first exchange
+    out["gather_many"] = (_plain(fprep.gather(state, many)), _plain(gather(many)))
     out["gather_uneven"] = _plain(fprep.gather(state, x["uneven"]))
     padded = fprep.pad_across_processes(state, x["sequences"], dim=1)
     out["pad_then_gather"] = (

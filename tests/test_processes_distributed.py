@@ -75,8 +75,9 @@ def test_pad_across_processes_is_accelerates(ranks: list[dict[str, Any]]) -> Non
 
 def test_gather_is_accelerates(ranks: list[dict[str, Any]]) -> None:
     for out in ranks:
-        ours, theirs = out["gather"]
-        assert ours == theirs
+        for case in ("gather", "gather_many"):
+            ours, theirs = out[case]
+            assert ours == theirs, case
         assert out["pad_then_gather"][0] == out["pad_then_gather"][1]
 
 
