@@ -381,7 +381,8 @@ def main_process_first(state: PrepState) -> Iterator[None]:
     process group without it. The others wait for its block at most ``PrepConfig.timeout_s``
     (a ``CollectiveError`` naming it otherwise). If its block raises, the others are released at
     once with a ``CollectiveError`` carrying its error, without running their block, and the main
-    process re-raises its own: neither a hang nor a second run over a half-written cache.
+    process re-raises its own: neither a hang nor a second run over a half-written cache. The
+    block must not call fprep's collectives (``reduce``, ``save``, ...): the others are not in it.
     """
     call = "fprep.main_process_first"
     groups = _prepared_groups(state, call)
