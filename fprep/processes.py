@@ -38,6 +38,7 @@ Tensors = Any
 MAX_DIMS = 16
 _ROW = 2 + MAX_DIMS  # a tensor's row in the shape exchange: ndim, dtype, the sizes
 _INLINE = 4  # how many tensors' rows go with the structure in the first exchange
+_ALIGN = 16  # bytes: where each tensor starts in the gathered buffer (any dtype can view it)
 #: dtype names by the checksum ranks exchange for them
 _DTYPE_NAMES = {
     zlib.crc32(str(d).encode()): str(d).removeprefix("torch.")
@@ -168,10 +169,8 @@ def gather_parts(
     with guarded(state, groups, call, arrive=False):  # per batch: no arrival wait
         shapes = _exchange_shapes(leaves, spec, groups, device, call)
         _same_beyond_first(shapes, leaves, spec, call)
-        parts = []
-        for i, leaf in enumerate(leaves):
-            counts = [rank_shapes[i][0] for rank_shapes in shapes]
-            parts.append(_gather_rows(leaf, counts, groups, device, call))
+        counts = [[rank_shapes[i][0] for rank_shapes in shapes] for i in range(len(leaves))]
+        parts = _gather_rows(leaves, counts, groups, device, call)
     return rebuild, parts, scalar
 
 
@@ -358,16 +357,40 @@ def _same_beyond_first(
 
 
 def _gather_rows(
-    tensor: torch.Tensor, counts: list[int], groups: list[Any], device: torch.device, call: str
-) -> list[torch.Tensor]:
-    """Every rank's rows of ``tensor`` (``counts[r]`` of them on rank ``r``), on its device."""
-    longest = max(counts)
-    padded = tensor.to(device)
-    if tensor.shape[0] < longest:
-        filler = padded.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-        padded = torch.cat([padded, filler])
-    parts = all_gather(padded.contiguous(), groups, call=call)
-    return [part[:n].to(tensor.device) for part, n in zip(parts, counts, strict=True)]
+    leaves: list[torch.Tensor],
+    counts: list[list[int]],
+    groups: list[Any],
+    device: torch.device,
+    call: str,
+) -> list[list[torch.Tensor]]:
+    """Per leaf, every rank's rows (``counts[i][r]`` of leaf ``i`` on rank ``r``), on the
+    leaf's device: one all-gather of a byte buffer holding every leaf, each padded to the most
+    rows any rank has (the ranks agree on every dtype and row shape, so on the layout)."""
+    layout: list[tuple[int, int]] = []  # per leaf: its offset in the buffer and its bytes
+    pieces = []
+    offset = 0
+    for leaf, rows in zip(leaves, counts, strict=True):
+        longest = max(rows)
+        padded = leaf.to(device)
+        if leaf.shape[0] < longest:
+            filler = padded.new_zeros((longest - leaf.shape[0], *leaf.shape[1:]))
+            padded = torch.cat([padded, filler])
+        raw = padded.contiguous().reshape(-1).view(torch.uint8)
+        gap = -raw.numel() % _ALIGN  # the next leaf starts aligned for any dtype's view
+        pieces += [raw, raw.new_zeros(gap)]
+        layout.append((offset, raw.numel()))
+        offset += raw.numel() + gap
+    everyone = all_gather(torch.cat(pieces), groups, call=call)
+    out: list[list[torch.Tensor]] = []
+    for leaf, rows, (start, size) in zip(leaves, counts, layout, strict=True):
+        shape = (max(rows), *leaf.shape[1:])
+        out.append(
+            [
+                buffer[start : start + size].view(leaf.dtype).reshape(shape)[:n].to(leaf.device)
+                for buffer, n in zip(everyone, rows, strict=True)
+            ]
+        )
+    return out
 
 
 # -- the main process first ----------------------------------------------------------------------
