@@ -26,11 +26,19 @@ from fprep.errors import (
     PrepError,
     TopologyError,
 )
-from fprep.loop import accumulate, clip_grad_norm, gather_for_metrics, optimizer_step
+from fprep.loop import accumulate, autocast, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
 from fprep.parallel_loop import loss_parallel
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
 from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
+from fprep.processes import (
+    gather,
+    main_process_first,
+    num_processes,
+    pad_across_processes,
+    process_index,
+    split_between_processes,
+)
 from fprep.ranks import (
     end_training,
     is_main_process,
@@ -118,6 +126,7 @@ __all__ = [
     "WrapUnit",
     "accumulate",
     "all_reduce_gradients",
+    "autocast",
     "backward",
     "chain",
     "clip_grad_norm",
@@ -125,6 +134,7 @@ __all__ = [
     "end_training",
     "estimate_memory",
     "export_full",
+    "gather",
     "gather_for_metrics",
     "init_buffers",
     "init_core",
@@ -140,17 +150,22 @@ __all__ = [
     "is_main_process",
     "load",
     "loss_parallel",
+    "main_process_first",
+    "num_processes",
     "optimizer_step",
+    "pad_across_processes",
     "pipeline",
     "plan",
     "prepare",
     "prepare_data_loader",
     "prepare_optimizer",
     "print_once",
+    "process_index",
     "reduce",
     "save",
     "save_pretrained",
     "set_seed",
+    "split_between_processes",
     "step",
     "transition",
     "unwrap",

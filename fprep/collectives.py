@@ -1,8 +1,8 @@
 """Collectives that fail with a word instead of hanging.
 
 Every fprep call that talks to other ranks (``prepare``, ``save``, ``load``, ``export_full``,
-``unwrap``, ``backward``, ``all_reduce_gradients``, ``clip_grad_norm``, ``gather_for_metrics``)
-runs inside ``collective``::
+``unwrap``, ``backward``, ``all_reduce_gradients``, ``clip_grad_norm``, ``gather_for_metrics``,
+``gather``, ``pad_across_processes``, ``main_process_first``) runs inside ``collective``::
 
     from fprep.collectives import collective
 

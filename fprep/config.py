@@ -15,10 +15,11 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
 from torch import nn
 
+from fprep.config_names import unknown_field
 from fprep.errors import ConfigError
 from fprep.migrate import accelerate_fields, parallelism_fields
 from fprep.snapshot import ModuleInfo
@@ -222,8 +223,41 @@ def wrap_class_names(wrap: WrapPolicy) -> tuple[str, ...]:
 
 
 # -- the config ---------------------------------------------------------------------------------
+_Options = TypeVar("_Options", bound="_KeywordsChecked")
+
+
+class _KeywordsChecked:
+    """Checks the keywords of a config dataclass before its generated ``__init__`` sees them.
+
+    That ``__init__`` answers an unknown keyword or a positional argument with a bare
+    ``TypeError``; here they are ``ConfigError``s that say what to write instead (for
+    Accelerate's, transformers' and Lightning's names, the fprep field that does the same job).
+    ``__new__`` rather than ``__init__``: the dataclass keeps its own ``__init__`` (signature,
+    ``dataclasses.replace``), and unpickling and copying, which call ``__new__`` with no
+    arguments, are untouched."""
+
+    def __new__(cls: type[_Options], *args: Any, **kwargs: Any) -> _Options:
+        owner = _OWNERS.get(cls.__name__, cls.__name__)
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if args:
+            raise ConfigError(
+                f"{owner} takes keyword arguments only; got {len(args)} positional "
+                f"({', '.join(repr(a) for a in args[:3])}{', ...' if len(args) > 3 else ''}).",
+                subject=owner,
+                hint=f"Name each value: {cls.__name__}(name=value, ...) (docs/config.md).",
+            )
+        for key, value in kwargs.items():
+            if key not in names:
+                raise unknown_field(owner, key, value, names)
+        return super().__new__(cls)
+
+
+#: how an options class is named in errors: by its path from PrepConfig
+_OWNERS = {"DDPOptions": "PrepConfig.ddp", "Fp8Options": "PrepConfig.fp8"}
+
+
 @dataclass(frozen=True, kw_only=True)
-class DDPOptions:
+class DDPOptions(_KeywordsChecked):
     """Options for ``DistributedDataParallel`` (strategy ``"ddp"``)."""
 
     bucket_cap_mb: float = 25.0
@@ -251,7 +285,7 @@ class DDPOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Fp8Options:
+class Fp8Options(_KeywordsChecked):
     """Options for ``precision="fp8"`` (torchao float8 training on CUDA; see docs/config.md).
 
     Only plain ``nn.Linear`` layers whose dimensions are both multiples of 16 run in float8;
@@ -298,7 +332,7 @@ class Fp8Options:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrepConfig:
+class PrepConfig(_KeywordsChecked):
     """How to prepare a model. See docs/config.md for every field."""
 
     # what kind of parallelism
@@ -505,14 +539,9 @@ def _wrap_to_plain(value: WrapPolicy) -> Any:
 
 def _build(cls: Any, data: Mapping[str, Any], owner: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            raise ConfigError(
-                f"{owner} has no field {key!r}.",
-                subject=str(key),
-                hint=f"Did you mean {close[0]!r}?" if close else f"Fields: {', '.join(names)}.",
-            )
+    for key, value in data.items():
+        if not isinstance(key, str) or key not in names:  # (cls(**data) needs str keys)
+            raise unknown_field(owner, key, value, names)
     return cls(**data)
 
 

@@ -191,6 +191,20 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
+def data_parallel_position(
+    state: PrepState, needed_by: str = "fprep.process_index"
+) -> tuple[int, int]:
+    """This rank's data-parallel index and the number of data-parallel ranks, from the plan:
+    the row-major position in the data-parallel mesh (``(0, 1)`` when not distributed)."""
+    pg = need(state.process_group, "init_process_group", needed_by)
+    if state.core is None or not state.core.is_distributed:
+        return 0, 1
+    rank = 0
+    for coord, size in zip(pg.coordinate, pg.mesh_shape, strict=True):
+        rank = rank * size + coord  # row-major, as the data-parallel groups gather
+    return rank, pg.replicate_size * pg.shard_size
+
+
 class PreparedDataLoader(DataLoader[Any]):
     """A ``DataLoader`` that reads this rank's share, places batches, and can resume."""
 
@@ -312,14 +326,8 @@ def prepare_data_loader(
             subject="data_loader.batch_size",
             hint="Give the DataLoader a batch_size (and a sampler, not a batch_sampler).",
         )
-    pg = need(state.process_group, "init_process_group", "prepare_data_loader")
     device_state = need(state.device, "init_device", "prepare_data_loader")
-    distributed = state.core is not None and state.core.is_distributed
-    world = pg.replicate_size * pg.shard_size if distributed else 1
-    rank = 0
-    for coord, size in zip(pg.coordinate, pg.mesh_shape, strict=True):
-        rank = rank * size + coord  # data-parallel rank: row-major position in the mesh
-    rank = rank if distributed else 0
+    rank, world = data_parallel_position(state, "prepare_data_loader")
     batch_size = loader.batch_size
     if split_batches:
         if batch_size % world:

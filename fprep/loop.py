@@ -29,7 +29,7 @@ from fprep.apply.steps import handles_of
 from fprep.collectives import collective
 from fprep.data import PreparedDataLoader
 from fprep.errors import PrepareError
-from fprep.ranks import all_gather, data_parallel_groups, guarded
+from fprep.processes import gather_parts
 from fprep.state import PrepState, need
 
 
@@ -213,11 +213,27 @@ def clip_grad_norm(
     return total_norm
 
 
+def autocast(state: PrepState) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` as the prepared model's forward runs it (the plan's device type and
+    dtype), for computations outside that forward: a loss computed after it, a second model.
+    A context that does nothing when the plan has no autocast (``precision="no"``).
+    Accelerate's ``accelerator.autocast()``; the prepared forward needs none.
+    """
+    policy = need(state.core, "init_core", "fprep.autocast").precision
+    if policy.autocast_dtype is None:
+        return contextlib.nullcontext()
+    device = need(state.device, "init_device", "fprep.autocast")
+    return torch.autocast(device.device_type, dtype=getattr(torch, policy.autocast_dtype))
+
+
 def gather_for_metrics(
-    state: PrepState, tensor: torch.Tensor, loader: PreparedDataLoader | None = None
-) -> torch.Tensor:
-    """All data-parallel ranks' ``tensor`` (batch dimension first) concatenated, every sample
-    once, in data-parallel rank order (the order a prepared loader shards in).
+    state: PrepState, data: Any, loader: PreparedDataLoader | None = None
+) -> Any:
+    """All data-parallel ranks' ``data`` (batch dimension first) concatenated, every sample
+    once, in data-parallel rank order (the order a prepared loader shards in). ``data`` is a
+    tensor or lists, tuples and dicts of them, e.g. ``(predictions, labels)``; the same
+    structure comes back (``fprep.gather``'s rules: the same structure, dtypes and dimensions
+    beyond the first on every rank, or a ``ConfigError`` on every rank).
 
     The ranks are those the model was prepared over — the process group or DeviceMesh given to
     ``prepare`` (every dimension of an hsdp mesh), else the whole world — not necessarily every
@@ -229,23 +245,13 @@ def gather_for_metrics(
     1-d tensor of one entry per data-parallel rank, in rank order, never trimmed (``loader`` is
     not used) — shape ``(1,)`` in one process, so the same code runs at any world size.
     """
-    if tensor.dim() == 0:
-        tensor, loader = tensor.reshape(1), None
-    groups = data_parallel_groups(state, "fprep.gather_for_metrics")
-    if groups is None:
-        return tensor
-    size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    # per batch: no arrival wait, but a lost rank or a timeout is a CollectiveError naming it
-    with guarded(state, groups, "fprep.gather_for_metrics", arrive=False):
-        counts = [int(s.item()) for s in all_gather(size, groups, call="fprep.gather_for_metrics")]
-        longest = max(counts)
-        padded = tensor
-        if tensor.shape[0] < longest:
-            pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
-            padded = torch.cat([tensor, pad])
-        parts = all_gather(padded.contiguous(), groups, call="fprep.gather_for_metrics")
-    keep = _kept_counts(counts, loader, len(parts))
-    return torch.cat([part[:k] for part, k in zip(parts, keep, strict=True)])
+    rebuild, parts, scalar = gather_parts(state, data, "fprep.gather_for_metrics")
+    out = []
+    for ranks, is_scalar in zip(parts, scalar, strict=True):
+        counts = [p.shape[0] for p in ranks]
+        keep = counts if is_scalar else _kept_counts(counts, loader, len(ranks))
+        out.append(torch.cat([p[:k] for p, k in zip(ranks, keep, strict=True)]))
+    return rebuild(out)
 
 
 def _kept_counts(counts: list[int], loader: PreparedDataLoader | None, world: int) -> list[int]:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # a plan's reader, below the state it reads: no import of it 
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
+    """Bytes per rank by what holds them (``estimate_memory``'s answer)."""
+
     params: int
     grads: int
     adam: int  # Adam / AdamW: two states per trainable element
@@ -64,6 +66,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(state: PrepState, *, async_checkpoint: bool = False) -> MemoryEstimate:
+    """This rank's bytes of parameters, gradients and optimizer state under the plan."""
     handles = need(state.param_handles, "init_param_handles", "estimate_memory")
     core = need(state.core, "init_core", "estimate_memory")
     runtime = need(state.runtime, "init_runtime", "estimate_memory")

@@ -134,6 +134,8 @@ class ParamInfo:
 
 @dataclass(frozen=True, slots=True)
 class BufferInfo:
+    """One buffer: its FQN, shape, dtype and whether it is saved in the state dict."""
+
     fqn: str
     shape: tuple[int, ...]
     dtype: str = "float32"

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import json
+import pickle
 from typing import Any
 
 import pytest
@@ -12,7 +16,9 @@ from torch import nn
 
 import fprep
 from fprep import ConfigError, PrepConfig
+from fprep.config_names import FOREIGN_NAMES
 from fprep.snapshot import ModuleInfo
+from fprep.testing import strategies as fst
 
 
 class Block(nn.Module):
@@ -72,8 +78,9 @@ def test_bad_field_names_field_and_allowed_values(field: str, value: Any, words:
 
 
 def test_config_is_keyword_only_and_frozen() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="keyword arguments only") as info:
         PrepConfig("fsdp")  # type: ignore[misc]
+    assert info.value.subject == "PrepConfig"
     cfg = PrepConfig()
     with pytest.raises(AttributeError):
         cfg.strategy = "ddp"  # type: ignore[misc]
@@ -196,3 +203,132 @@ def test_dict_round_trip(cfg: PrepConfig) -> None:
     again = PrepConfig.from_dict(json.loads(json.dumps(data)))
     assert again == cfg
     assert hash(again) == hash(cfg)
+
+
+# -- keywords PrepConfig does not have -------------------------------------------------------------
+FIELDS = [f.name for f in dataclasses.fields(PrepConfig)]
+
+
+@pytest.mark.parametrize("name", sorted(FOREIGN_NAMES))
+def test_a_foreign_keyword_names_its_library_and_what_to_write(name: str) -> None:
+    assert name not in FIELDS  # a foreign name that is also a field would never be reached
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(**{name: 4})
+    origin, _ = FOREIGN_NAMES[name]
+    assert info.value.subject == name
+    assert f"has no field {name!r}" in info.value.message and origin in info.value.message
+    assert info.value.hint and "{value" not in info.value.hint  # formatted, not a template
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "instead"),
+    [
+        ("mixed_precision", "bf16", {"precision": "bf16"}),
+        ("mixed_precision", "FP16", {"precision": "fp16"}),
+        ("cpu", True, {"device": "cpu"}),
+        ("bf16", True, {"precision": "bf16"}),
+        ("fp16", True, {"precision": "fp16"}),
+        ("use_cpu", True, {"device": "cpu"}),
+        ("gradient_checkpointing", True, {"activation_checkpointing": True}),
+        ("cpu_offload", True, {"offload": "cpu"}),
+        ("min_num_params", 1000, {"wrap": 1000}),
+        ("transformer_cls_names_to_wrap", ["LlamaDecoderLayer"], {"wrap": ["LlamaDecoderLayer"]}),
+        ("torch_compile_backend", "inductor", {"compile": "whole", "compile_backend": "inductor"}),
+        ("ddp_timeout", 1800, {"timeout_s": 1800}),
+        ("data_seed", 7, {"seed": 7}),
+        ("accelerator", "cpu", {"device": "cpu"}),
+    ],
+)
+def test_the_advice_for_a_foreign_keyword_is_a_config_that_works(
+    name: str, value: object, instead: dict[str, Any]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(**{name: value})
+    for field, wanted in instead.items():
+        assert f"{field}={wanted!r}" in info.value.hint, info.value.hint
+    PrepConfig(**instead)  # what the hint says to write is valid
+
+
+def test_the_ddp_advice_names_the_ddp_options_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(ddp_find_unused_parameters=True)
+    assert "ddp=fprep.DDPOptions(find_unused_parameters=True)" in info.value.hint
+    PrepConfig(ddp=fprep.DDPOptions(find_unused_parameters=True))
+
+
+def test_gradient_accumulation_steps_points_to_accumulate_with_the_count() -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(gradient_accumulation_steps=8)
+    assert "fprep.accumulate(state, model, sync=(i + 1) % 8 == 0)" in info.value.hint
+
+
+def test_every_accelerator_argument_is_a_field_or_has_advice() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    params = list(inspect.signature(accelerate.Accelerator.__init__).parameters)[1:]
+    assert params  # the real signature was read
+    missing = [p for p in params if p not in FIELDS and p not in FOREIGN_NAMES]
+    assert not missing, f"Accelerator arguments with no advice: {missing}"
+
+
+def test_common_training_arguments_have_advice() -> None:
+    transformers = pytest.importorskip("transformers")
+    params = set(inspect.signature(transformers.TrainingArguments.__init__).parameters)
+    # what chooses how a model is prepared (the rest configures the Trainer's loop)
+    preparing = {
+        "bf16", "fp16", "use_cpu", "gradient_checkpointing", "torch_compile",
+        "torch_compile_backend", "torch_compile_mode", "fsdp", "fsdp_config", "deepspeed",
+        "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+        "ddp_static_graph", "ddp_timeout", "ddp_backend", "gradient_accumulation_steps",
+        "parallelism_config", "data_seed", "local_rank",
+    }  # fmt: skip
+    assert preparing <= params  # still transformers' names
+    assert all(p in FIELDS or p in FOREIGN_NAMES for p in preparing)
+
+
+@pytest.mark.parametrize("cls", [PrepConfig, fprep.DDPOptions, fprep.Fp8Options])
+def test_a_misspelt_field_lists_it_among_close_matches(cls: type) -> None:
+    names = [f.name for f in dataclasses.fields(cls)]
+    for name in names:
+        for i in range(len(name)):  # every one-letter slip
+            typo = name[:i] + name[i + 1 :]
+            if typo in names or typo in FOREIGN_NAMES:
+                continue
+            with pytest.raises(ConfigError) as info:
+                cls(**{typo: None})
+            assert info.value.subject == typo
+            assert info.value.hint.startswith("Did you mean") and repr(name) in info.value.hint
+
+
+def test_an_unknown_keyword_with_no_close_match_lists_the_fields() -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(zzz=1)
+    assert info.value.hint == f"Fields: {', '.join(FIELDS)}."
+
+
+def test_from_dict_and_replace_give_the_same_advice() -> None:
+    with pytest.raises(ConfigError) as direct:
+        PrepConfig(mixed_precision="bf16")
+    with pytest.raises(ConfigError) as loaded:
+        PrepConfig.from_dict({"mixed_precision": "bf16"})
+    with pytest.raises(ConfigError) as replaced:
+        PrepConfig().replace(mixed_precision="bf16")
+    assert str(direct.value) == str(loaded.value) == str(replaced.value)
+
+
+def test_nested_options_refuse_unknown_keywords_under_their_path() -> None:
+    with pytest.raises(ConfigError, match=r"^PrepConfig\.ddp has no field 'find_unused'"):
+        fprep.DDPOptions(find_unused=True)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"^PrepConfig\.fp8 has no field 'recipes'"):
+        PrepConfig(precision="fp8", fp8={"recipes": "rowwise"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="keyword arguments only"):
+        fprep.DDPOptions(25.0)  # type: ignore[misc]
+
+
+@given(fst.configs())
+def test_a_config_stays_a_frozen_dataclass_that_pickles_and_copies(cfg: PrepConfig) -> None:
+    assert dataclasses.is_dataclass(cfg)
+    for again in (pickle.loads(pickle.dumps(cfg)), copy.copy(cfg), copy.deepcopy(cfg)):
+        assert again == cfg and hash(again) == hash(cfg)
+    assert dataclasses.replace(cfg) == cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1  # type: ignore[misc]

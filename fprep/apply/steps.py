@@ -23,6 +23,7 @@ from fprep.state import PrepState
 if TYPE_CHECKING:
     import torch
 
+#: An effectful step of ``prepare``: ``(state, model) -> (state, model)``.
 Step = Callable[[PrepState, nn.Module], tuple[PrepState, nn.Module]]
 
 
