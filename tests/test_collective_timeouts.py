@@ -8,6 +8,7 @@ naming the call and the ranks, within ``timeout_s`` plus a margin; nothing is le
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,22 @@ def test_rank_lost_before_a_per_batch_gather_is_named() -> None:
         "fprep.gather_for_metrics failed in a collective: ranks [1] did not answer"
     )
     assert out["seconds"] < min(W.TIMEOUT_S, PROBE_S) + MARGIN_S
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_lost_under_a_2d_mesh_is_named_by_every_survivor() -> None:
+    """dp 2 x tp 2, rank 3 killed before the backward: its dp and tp peers (1, 2) fail at once,
+    rank 0 only when one of them gives up (its collectives wait for ranks 1 and 2, both
+    alive). Each probes the whole job, not the group its collective failed in: every survivor
+    names rank 3, and none names a live rank (rank 0 beats while it is blocked)."""
+    results = W.spawn(W.lost_under_a_mesh, 4, 3, timeout_s=300, wait_for=[0, 1, 2])
+    assert results[3] == "exit -9", results
+    for rank in (0, 1, 2):
+        out = _failed(results[rank])
+        named = re.search(r"ranks (\[[\d, ]*\]) did not answer", out["message"])
+        assert named is not None, (rank, out["message"])
+        assert json.loads(named.group(1)) == [3], (rank, out["message"])
+        assert out["message"].startswith("fprep.backward failed in a collective"), out
 
 
 # -- single process: the guard is free when nobody else takes part ----------------------------
