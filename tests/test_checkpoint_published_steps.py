@@ -125,3 +125,12 @@ def test_a_step_that_is_also_a_root_is_not_loaded(published: Path, prefix: str) 
     layout.write_latest(best, "step-00000001", "0" * 64)
     with pytest.raises(CheckpointError, match=r"is both a checkpoint .* and a checkpoint root"):
         _value(f"{prefix}{best}")
+
+
+def test_a_step_directory_missing_its_metadata_is_still_a_step(published: Path) -> None:
+    """By name and manifest, as before: a damaged step-N directory is not saved into either."""
+    (published / "metadata.json").unlink()
+    state, model = W.wide_model(2.0)
+    with pytest.raises(CheckpointError, match=r"cannot save into .*a published checkpoint"):
+        fprep.save(published / "nested", state, model, step=2)
+    assert not (published / "nested").exists()

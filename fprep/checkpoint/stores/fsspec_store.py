@@ -264,13 +264,13 @@ class FsspecStore:
     def check_root(self) -> None:
         """As ``layout.check_root``: ``file://`` is the local file system, checked by the same
         function (links resolved); elsewhere each prefix from the root up is looked at for a
-        step's files (``layout.STEP_FILES``), whatever its name."""
+        step's files (``layout.is_step``), whatever its name."""
         if self.renames:
             layout.check_root(Path(self.path), self.url)
             return
         path = self.path
         while True:
-            if all(self.fs.exists(posixpath.join(path, name)) for name in layout.STEP_FILES):
+            if layout.is_step(posixpath.basename(path), self._files_in(path)):
                 raise CheckpointError(
                     f"cannot save into {self.url}: {path} is a published checkpoint.",
                     subject=self.url,
@@ -281,6 +281,9 @@ class FsspecStore:
             if parent == path or path in ("", "/"):
                 break
             path = parent
+
+    def _files_in(self, path: str) -> Callable[[str], bool]:
+        return lambda name: bool(self.fs.exists(posixpath.join(path, name)))
 
     def lock(self) -> Releasable:
         return _NoLock()

@@ -32,6 +32,7 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,9 +169,17 @@ def resolve(path: str | os.PathLike[str]) -> Target:
 STEP_FILES = (MANIFEST, METADATA_FILE)
 
 
-def is_step(directory: Path) -> bool:
-    """Whether ``directory`` holds a checkpoint (``STEP_FILES``), by its content, not its name."""
-    return all(os.path.lexists(directory / name) for name in STEP_FILES)
+def is_step(name: str, holds: Callable[[str], bool]) -> bool:
+    """Whether the directory called ``name``, holding the files for which ``holds(file)`` is
+    true, is a checkpoint: it holds ``STEP_FILES`` (by content, whatever its name), or it is
+    a ``step-N`` directory with a manifest (a damaged step is a step too)."""
+    if not holds(MANIFEST):
+        return False
+    return parse_step_name(name) is not None or all(holds(f) for f in STEP_FILES[1:])
+
+
+def _files_in(directory: Path) -> Callable[[str], bool]:
+    return lambda name: os.path.lexists(directory / name)
 
 
 def both_step_and_root(where: str) -> CheckpointError:
@@ -200,7 +209,7 @@ def check_root(root: Path, shown: str | None = None) -> None:
     except OSError:
         return  # the save fails later with the OS's reason
     for directory in (here, *here.parents):
-        if not is_step(directory):
+        if not is_step(directory.name, _files_in(directory)):
             continue
         where = "it is" if directory == here else f"it is inside {directory},"
         resolved = "" if os.path.abspath(root) == str(here) else f" (it resolves to {here})"
