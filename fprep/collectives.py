@@ -15,7 +15,10 @@ most ``timeout_s`` for every other rank's key. A rank that never arrives, or one
 different fprep call, is named in a ``CollectiveError`` raised on every rank that did arrive --
 before any backend collective starts, so neither gloo nor nccl is left waiting. Inside the block,
 a collective that fails (a peer killed, a backend timeout) becomes a ``CollectiveError`` naming
-the call and the ranks that no longer answer a short store probe, chained to torch's error.
+the call and the ranks that are lost, chained to torch's error. The probe that finds them
+(``probe_world``) asks the whole job, not the group whose collective failed: under a mesh a
+rank's dp and tp peers differ, and a live rank blocked in a collective with a survivor shows
+it is alive by its heartbeat (``fprep.peers``), so every survivor names the same lost ranks.
 
 A missing rank that has called ``end_training`` or exited (``fprep.peers`` status) is named at
 once; every store wait runs under a deadline of its own (``fprep.peers.bounded``: a frozen store
@@ -24,7 +27,7 @@ read the others' calls before any raises, so the store's host cannot leave first
 
 ``arrive=False`` skips the arrival wait, for calls made every step (a gradient all-reduce): no
 store traffic and no bookkeeping unless a collective fails, when the same probe names the
-missing ranks (the ranks that failed in the same call meet under the same tag).
+lost ranks.
 
 The first contact of a launch (``first_contact``, used by ``connect`` and by ``prepare``'s plan
 agreement) waits at most ``min(timeout_s, FIRST_CONTACT_S)`` for every rank to reach the
@@ -60,7 +63,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from fprep.errors import CollectiveError, PrepError, TopologyError
-from fprep.peers import StoreSilent, bounded, statuses, store_of
+from fprep.peers import BEAT_S, StoreSilent, beats, bounded, statuses, store_of
 
 #: The longest a launch waits for every rank to reach the launcher's store (seconds), unless
 #: ``PrepConfig.timeout_s`` is shorter. Documented in docs/training.md.
@@ -194,6 +197,68 @@ def probe(
         return [r for i, r in enumerate(ranks) if i != index]
 
 
+#: How many world probes this process has made: the same count on every rank of one failure,
+#: so that they meet under one tag (``probe_world``).
+_world_probes = [0]
+
+
+def probe_world(call: str, wait_s: float) -> tuple[list[int], list[int]]:
+    """After a failure in any group: ``(lost, elsewhere)`` over the whole job.
+
+    Every rank that saw a collective fail reports under a tag the job's ranks share (their
+    count of world probes). A rank that has not reported is *elsewhere* as soon as its
+    heartbeat advances (``fprep.peers``: alive, e.g. blocked in a collective with a rank that
+    is here), and *lost* when it has said it exited or ended, when a rank that probed before
+    found it lost, or when its heartbeat does not move for ``max(wait_s, 3 * BEAT_S)``
+    seconds. So every survivor names the same lost ranks, whichever group its collective
+    failed in, and no live rank is named. Bounded by that window plus ``PROBE_GRACE_S``: a
+    store that is gone or frozen takes its host with it (rank 0, unless the launcher's agent
+    hosts the store: then every other rank is named)."""
+    store = store_of(dist.group.WORLD)
+    me, world = dist.get_rank(), dist.get_world_size()
+    others = [r for r in range(world) if r != me]
+    tag = f"{_PREFIX}lost/{_world_probes[0]}"
+    _world_probes[0] += 1
+    window = max(wait_s, 3 * BEAT_S)
+
+    def look() -> tuple[list[int], list[int]]:
+        store.set(f"{tag}/{me}", call)
+        first = beats(store, others)
+        deadline = time.monotonic() + window
+        alive: set[int] = set()
+        gone: set[int] = set()
+        while True:
+            reported = {r for r in others if store.check([f"{tag}/{r}"])}
+            found = set(_verdict(store, tag)) - reported
+            pending = [r for r in others if r not in reported | alive | gone | found]
+            if pending:
+                now = beats(store, pending)
+                alive |= {r for r in pending if r in now and now[r] > first.get(r, 0)}
+                gone |= set(statuses(store, [r for r in pending if r not in alive]))
+                pending = [r for r in pending if r not in alive | gone]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(_STATUS_EVERY_S, max(deadline - time.monotonic(), 0.0)))
+        lost = sorted(set(pending) | gone | found)
+        if lost:
+            store.set(f"{tag}/verdict", json.dumps(lost))
+        return lost, sorted(alive - reported)
+
+    try:
+        return bounded(look, window + PROBE_GRACE_S)
+    except (RuntimeError, ValueError):  # the store's host is gone, or frozen
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return ([0] if me != 0 and not agent else others), []
+
+
+def _verdict(store: Any, tag: str) -> list[int]:
+    """The ranks an earlier prober of this failure found lost."""
+    key = f"{tag}/verdict"
+    if not store.check([key]):
+        return []
+    return [int(r) for r in json.loads(bytes(store.get(key)))]
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """A backend error (lost peer, timeout), not a user's error that happened to occur inside."""
     if isinstance(error, PrepError):
@@ -227,12 +292,13 @@ def collective(
         site = site or Site.of(call, group)  # (the group may even have been created in the block)
         if site is None:
             raise
-        lost = site.probe(min(timeout_s, PROBE_S))
-        who = (
-            f"ranks {lost} did not answer (lost, or still waiting elsewhere)"
-            if lost
-            else "every rank is still there"
-        )
+        lost, elsewhere = probe_world(call, min(timeout_s, PROBE_S))
+        if lost:
+            who = f"ranks {lost} did not answer (lost, or frozen)"
+        elif elsewhere:
+            who = f"every rank is still there (ranks {elsewhere} alive, in no failed collective)"
+        else:
+            who = "every rank is still there"
         raise CollectiveError(
             f"{call} failed in a collective{site.where}: {who}. torch said: {_first_line(e)}",
             subject=call,
@@ -281,9 +347,6 @@ class Site:
             with contextlib.suppress(RuntimeError):  # (StoreSilent too: the next call says so)
                 bounded(lambda: self.store.delete_key(previous), STORE_GRACE_S)
         _arrivals[self.group] = f"{_PREFIX}{self.tag}/{self.index}"
-
-    def probe(self, wait_s: float) -> list[int]:
-        return probe(self.store, self.call, self.tag, self.index, self.ranks, wait_s)
 
 
 _arrivals: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()

@@ -11,6 +11,7 @@ The model has everything resharding can trip over: rows that do not divide by 2,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -541,3 +542,122 @@ def killed_save_rounds(root: Path, script: str, rounds: int, seed: int) -> list[
             assert torch.equal(p, torch.full_like(p, float(info.step)))
         completed.append(info.step)
     return completed
+
+
+# -- one failed load, one error on every rank -----------------------------------------------------
+def _wait_for(event: Path, limit_s: float = 120.0) -> None:
+    """Return once ``event`` exists (another rank made it); a generous bound, never a guess."""
+    deadline = time.monotonic() + limit_s
+    while not event.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{event} did not appear within {limit_s:g} s")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _in_rank_order(cls: Any, method: str, name: str, after_rank_0: Any, event: Path) -> Any:
+    """Patch ``cls.method`` (whose first argument after ``self`` is a file path or name) for the
+    file ``name``: rank 0 runs it first and then calls ``after_rank_0()`` and makes ``event``;
+    rank 1 runs it only once ``event`` exists. So the ranks see the file in a fixed order,
+    whatever the schedule."""
+    original = getattr(cls, method)
+
+    def patched(self: Any, where: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(str(where)).name != name:
+            return original(self, where, *args, **kwargs)
+        if rank() == 0:
+            try:
+                return original(self, where, *args, **kwargs)
+            finally:
+                after_rank_0()
+                event.touch()
+        _wait_for(event)
+        return original(self, where, *args, **kwargs)
+
+    setattr(cls, method, patched)
+    try:
+        yield
+    finally:
+        setattr(cls, method, original)
+
+
+def _flip(path: Path, at: float) -> None:
+    """Replace ``path`` by a copy with the byte at fraction ``at`` of its length flipped (a new
+    file renamed over it, as a copy tool writes one)."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, path)
+
+
+def two_same_error(root: str) -> dict[str, Any]:
+    """2 ranks, fsdp: loads that fail over one file, each rank's error as text. Faults both
+    ranks see alike (a flipped byte in the shard file both read; a missing file) and files
+    swapped under the load between the ranks' looks (rank 0 sees the file damaged one way,
+    rank 1 another)."""
+    from fprep.checkpoint.stores.backend import LocalStep
+
+    torch.set_num_threads(1)
+    base = Path(root)
+    state, model, opt, sched, loader = prepared("fsdp")
+    Trainer(state, model, opt, sched, loader).run(1)
+    sharded = fprep.save(base / "sharded", state, model, optimizers=(opt,), step=1)
+    assert state.state_dict is not None
+    full_plan = state.replace(state_dict=dataclasses.replace(state.state_dict, type="full"))
+    full = fprep.save(base / "full", full_plan, model, optimizers=(opt,), step=1)  # one file,
+    # __0_0.distcp, that both ranks read
+
+    def copy_of(saved: Any, case: str) -> Path:
+        """A copy of the checkpoint ``saved`` (a step directory) for ``case``: its step dir."""
+        dst = base / case
+        if rank() == 0:
+            shutil.copytree(Path(saved).parent, dst)
+        barrier()
+        return dst / Path(saved).name
+
+    def load(step: Path) -> str:
+        return expect_error(lambda: fprep.load(step, state, model, optimizers=(opt,)))
+
+    before = local_state(model, opt)
+    out: dict[str, Any] = {}
+    step = copy_of(full, "flipped")
+    if rank() == 0:
+        _flip(step / "__0_0.distcp", 0.5)
+    barrier()
+    out["flipped"] = load(step)
+
+    step = copy_of(sharded, "missing")
+    if rank() == 0:
+        (step / "__1_0.distcp").unlink()
+    barrier()
+    out["missing"] = load(step)
+
+    step = copy_of(full, "swapped")  # rank 0 reads one damaged metadata.json, rank 1 another
+    if rank() == 0:
+        _flip(step / "metadata.json", 0.25)
+    barrier()
+    with _in_rank_order(
+        LocalStep,
+        "read_verified",
+        "metadata.json",
+        lambda: _flip(step / "metadata.json", 0.75),
+        base / "swapped.done",
+    ):
+        out["swapped"] = load(step)
+
+    step = copy_of(sharded, "removed")  # rank 0 finds the file truncated, rank 1 finds it gone
+    if rank() == 0:
+        shard = step / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-8])
+    barrier()
+    with _in_rank_order(
+        LocalStep,
+        "check_size",
+        "__1_0.distcp",
+        lambda: (step / "__1_0.distcp").unlink(),
+        base / "removed.done",
+    ):
+        out["removed"] = load(step)
+    out["unchanged"] = same(before, local_state(model, opt))
+    return out

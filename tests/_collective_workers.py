@@ -330,3 +330,21 @@ def prepare_and_end(repeats: int) -> dict[str, Any]:
         fprep.wait_for_everyone(state)
     ended = fprep.end_training(state)
     return {"ended": ended, "leftover": leftover}
+
+
+def lost_under_a_mesh(victim: int) -> dict[str, Any]:
+    """dp 2 x tp 2 (FSDP2 over dp, tensor parallel over tp): rank ``victim`` is killed (SIGKILL)
+    after the forward, the others run the backward. Each survivor's outcome (its message must
+    name the victim, and no rank alive)."""
+    from fprep.testing.models import LlamaConfig, llama
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    model = llama(cfg, "cpu", seed=0)
+    # timeout_s: gloo gives up on a blocked rank after it (rank 0 is not: its peers exit)
+    state, model = fprep.prepare(model, fprep.PrepConfig(strategy="fsdp", tp=2, timeout_s=60))
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = model(x).float().pow(2).mean()
+    if int(os.environ["RANK"]) == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: fprep.backward(state, model, loss))

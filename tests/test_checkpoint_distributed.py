@@ -204,3 +204,19 @@ def test_load_is_transactional_and_agreed_at_two_ranks(tmp_path: Path) -> None:
         assert r["unchanged_rng"] is True and r["unchanged_lr"] is True
         assert r["error_apply"].startswith("CheckpointError: loading "), r["error_apply"]
         assert "ValueError: rank 1 does not like this position" in r["error_apply"]
+
+
+def test_one_failed_load_raises_one_error_on_every_rank(tmp_path: Path) -> None:
+    """Each rank raises the first failing rank's error, also when the ranks found the file
+    damaged in different ways (it changed between their looks: before, each raised its own)."""
+    zero, one = run_ranks(W.two_same_error, 2, str(tmp_path), timeout_s=TIMEOUT_S)
+    expected = {
+        "flipped": "CheckpointError: __0_0.distcp does not match its blake3 digest",
+        "missing": "CheckpointError: __1_0.distcp is missing: ",
+        "swapped": "CheckpointError: metadata.json does not match its blake3 digest",
+        "removed": "CheckpointError: __1_0.distcp is truncated: ",
+    }
+    assert {case: zero[case] for case in expected} == {case: one[case] for case in expected}
+    for case, start in expected.items():
+        assert zero[case].startswith(start), (case, zero[case])
+    assert zero["unchanged"] and one["unchanged"]

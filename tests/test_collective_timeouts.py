@@ -8,6 +8,7 @@ naming the call and the ranks, within ``timeout_s`` plus a margin; nothing is le
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,26 @@ def test_rank_lost_before_a_per_batch_gather_is_named() -> None:
         "fprep.gather_for_metrics failed in a collective: ranks [1] did not answer"
     )
     assert out["seconds"] < min(W.TIMEOUT_S, PROBE_S) + MARGIN_S
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("victim", [3, 0])
+def test_a_rank_lost_under_a_2d_mesh_is_named_by_every_survivor(victim: int) -> None:
+    """dp 2 x tp 2, one rank killed before the backward. Rank 3: its dp and tp peers (1, 2)
+    fail at once, rank 0 only when one of them gives up (its collectives wait for ranks 1 and
+    2, both alive). Rank 0: the store's host, so the probe itself meets the dead rank (bounded:
+    the store is gone with it). Each survivor probes the whole job, not the group its
+    collective failed in: every one names the victim, and none names a live rank (a rank
+    blocked in a collective still beats)."""
+    survivors = [r for r in range(4) if r != victim]
+    results = W.spawn(W.lost_under_a_mesh, 4, victim, timeout_s=300)
+    assert results[victim] == "exit -9", results
+    for rank in survivors:
+        out = _failed(results[rank])
+        named = re.search(r"ranks (\[[\d, ]*\]) did not answer", out["message"])
+        assert named is not None, (rank, out["message"])
+        assert json.loads(named.group(1)) == [victim], (rank, out["message"])
+        assert out["message"].startswith("fprep.backward failed in a collective"), out
 
 
 # -- single process: the guard is free when nobody else takes part ----------------------------

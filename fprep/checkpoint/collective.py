@@ -72,18 +72,29 @@ class Group:
             dist.barrier()
 
     def agree(self, error: BaseException | None, payload: Any = None) -> list[Any]:
-        """Exchange (error, payload); raise on every rank when any rank failed."""
+        """Exchange (error, payload); when any rank failed, raise the first failing rank's
+        error on every rank.
+
+        Ranks can fail differently over the same file (one sees it damaged, the next sees it
+        replaced or gone a moment later), so each raising its own error would tell one story
+        per rank. A rank whose own error differs chains it as the cause. The first failing
+        rank raises its own exception object (its traceback); a failure that is not a
+        ``PrepError`` reaches the other ranks as a ``CheckpointError`` quoting it.
+        """
         portable = None if error is None else _portable(error)
         results = self.all_gather((portable, payload))
         failed = [(r, e) for r, (e, _) in enumerate(results) if e is not None]
-        if failed:
-            if error is not None:
-                raise error
-            rank, first = failed[0]
-            if isinstance(first, PrepError):
-                raise first
-            raise CheckpointError(f"rank {rank} failed: {first}", subject=f"rank {rank}")
-        return [p for _, p in results]
+        if not failed:
+            return [p for _, p in results]
+        rank, first = failed[0]
+        if rank == self.rank and error is not None:
+            raise error
+        agreed = (
+            first
+            if isinstance(first, PrepError)
+            else CheckpointError(f"rank {rank} failed: {first}", subject=f"rank {rank}")
+        )
+        raise agreed from error
 
 
 def _portable(error: BaseException) -> Any:

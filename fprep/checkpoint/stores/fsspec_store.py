@@ -262,12 +262,15 @@ class FsspecStore:
     # -- saving (rank 0) --------------------------------------------------------------------
 
     def check_root(self) -> None:
+        """As ``layout.check_root``: ``file://`` is the local file system, checked by the same
+        function (links resolved); elsewhere each prefix from the root up is looked at for a
+        step's files (``layout.is_step``), whatever its name."""
+        if self.renames:
+            layout.check_root(Path(self.path), self.url)
+            return
         path = self.path
-        while path not in ("", "/"):
-            name = posixpath.basename(path)
-            if layout.parse_step_name(name) is not None and self.fs.exists(
-                posixpath.join(path, layout.MANIFEST)
-            ):
+        while True:
+            if layout.is_step(posixpath.basename(path), self._files_in(path)):
                 raise CheckpointError(
                     f"cannot save into {self.url}: {path} is a published checkpoint.",
                     subject=self.url,
@@ -275,9 +278,12 @@ class FsspecStore:
                     "root, the directory that holds the step-* directories, or another one.",
                 )
             parent = posixpath.dirname(path)
-            if parent == path:
+            if parent == path or path in ("", "/"):
                 break
             path = parent
+
+    def _files_in(self, path: str) -> Callable[[str], bool]:
+        return lambda name: bool(self.fs.exists(posixpath.join(path, name)))
 
     def lock(self) -> Releasable:
         return _NoLock()
@@ -372,6 +378,8 @@ class FsspecStore:
     def resolve(self) -> tuple[str, str | None]:
         """As ``layout.resolve``; without ``latest``, the newest step that has a manifest."""
         if self.fs.exists(self._join(layout.MANIFEST)):
+            if self.fs.exists(self._join(layout.LATEST)):
+                raise layout.both_step_and_root(self.url)
             return self.url, None
         pointer = self._pointer()
         if pointer is None:

@@ -32,10 +32,12 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fprep.checkpoint.format.files import fsync_dir, read_small
+from fprep.checkpoint.format.metadata import METADATA_FILE
 from fprep.errors import CheckpointError
 
 LATEST = "latest"
@@ -119,6 +121,8 @@ def resolve(path: str | os.PathLike[str]) -> Target:
     ``latest`` names (with the manifest digest it pins), else its newest step directory."""
     root = Path(path)
     if os.path.lexists(root / MANIFEST):
+        if os.path.lexists(root / LATEST):
+            raise both_step_and_root(str(root))
         return Target(root)
     if not root.is_dir():
         raise CheckpointError(
@@ -160,20 +164,59 @@ def resolve(path: str | os.PathLike[str]) -> Target:
     return Target(step_dir, pinned)
 
 
-def check_root(root: Path) -> None:
+#: What makes a directory a published checkpoint, whatever its name: fprep's two metadata
+#: files (``metadata.json`` is DCP's, as fprep writes it). A copy renamed ``best/`` is one too.
+STEP_FILES = (MANIFEST, METADATA_FILE)
+
+
+def is_step(name: str, holds: Callable[[str], bool]) -> bool:
+    """Whether the directory called ``name``, holding the files for which ``holds(file)`` is
+    true, is a checkpoint: it holds ``STEP_FILES`` (by content, whatever its name), or it is
+    a ``step-N`` directory with a manifest (a damaged step is a step too)."""
+    if not holds(MANIFEST):
+        return False
+    return parse_step_name(name) is not None or all(holds(f) for f in STEP_FILES[1:])
+
+
+def _files_in(directory: Path) -> Callable[[str], bool]:
+    return lambda name: os.path.lexists(directory / name)
+
+
+def both_step_and_root(where: str) -> CheckpointError:
+    """A directory that is a checkpoint and also holds a ``latest`` pointer: which one to load
+    cannot be told (earlier fprep versions let a save go into a renamed copy of a step)."""
+    return CheckpointError(
+        f"{where} is both a checkpoint (it holds {MANIFEST}) and a checkpoint root (it holds "
+        f"'{LATEST}'): fprep cannot tell which of them to load.",
+        subject=where,
+        hint=f"Pass the step directory you mean ({where}/step-...); or move the step-* "
+        f"directories and '{LATEST}' into a directory of their own, leaving {where} one "
+        "checkpoint.",
+    )
+
+
+def check_root(root: Path, shown: str | None = None) -> None:
     """Refuse to save into a published step directory or anywhere inside one (a checkpoint is
-    never modified once published, and its rotation would delete the nested one)."""
+    never modified once published, its rotation would delete the nested one, and ``load`` of
+    it would go on reading the old step).
+
+    The path is resolved first (symbolic links, ``..``, relative parts), so every spelling of
+    one directory gets the same answer; a step is recognised by its files (``is_step``), so a
+    renamed copy of one is refused like the original. ``shown``: how the caller spelled the
+    root (a ``file://`` URL), for the message."""
     try:
         here = root.resolve()
     except OSError:
         return  # the save fails later with the OS's reason
     for directory in (here, *here.parents):
-        if parse_step_name(directory.name) is None or not os.path.lexists(directory / MANIFEST):
+        if not is_step(directory.name, _files_in(directory)):
             continue
         where = "it is" if directory == here else f"it is inside {directory},"
+        resolved = "" if os.path.abspath(root) == str(here) else f" (it resolves to {here})"
+        name = str(root) if shown is None else shown
         raise CheckpointError(
-            f"cannot save into {root}: {where} a published checkpoint.",
-            subject=str(root),
+            f"cannot save into {name}{resolved}: {where} a published checkpoint.",
+            subject=name,
             hint="A checkpoint is never modified once published: pass the checkpoint root, the "
             f"directory that holds the step-* directories ({directory.parent}), or another "
             "directory.",
