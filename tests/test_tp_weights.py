@@ -130,11 +130,13 @@ def test_biased_weights_load_into_tp_blocks(
     assert any(k.endswith("q_proj.bias") and bool(v.abs().sum() > 0) for k, v in qwen2.items())
     for rank, out in enumerate(biased["outs"][world]):
         result = out[layout]
-        assert result["blocks"] == [] and result["sequential"] == [], f"rank {rank}"
-        for got, want in (
-            (torch.load(io.BytesIO(result["full"]), weights_only=True), qwen2),
-            (torch.load(io.BytesIO(result["sequential_full"]), weights_only=True), seq),
-        ):
+        assert result["blocks"] == [], f"rank {rank}"
+        checks = [("full", qwen2)]
+        if "sequential" in result:
+            assert result["sequential"] == [], f"rank {rank}"
+            checks.append(("sequential_full", seq))
+        for key, want in checks:
+            got = torch.load(io.BytesIO(result[key]), weights_only=True)
             assert sorted(got) == sorted(want)
             assert [k for k in want if not torch.equal(got[k], want[k])] == [], f"rank {rank}"
 
@@ -151,6 +153,6 @@ def test_biased_weights_train_as_one_process(
         assert out["norms"] == pytest.approx(ref["norms"], abs=1e-5)
         by_dp.setdefault(out["dp_rank"], out["losses"])
         assert out["losses"] == pytest.approx(by_dp[out["dp_rank"]], abs=1e-6)  # tp ranks agree
-    assert len(by_dp) == (2 if layout == "dp2_tp2" else 1)
+    assert len(by_dp) == (2 if layout.startswith("dp2") else 1)
     mean = [sum(v[i] for v in by_dp.values()) / len(by_dp) for i in range(len(ref["losses"]))]
     assert mean == pytest.approx(ref["losses"], abs=1e-5)
