@@ -164,7 +164,7 @@ def test_real_checkpoint_headers_are_far_below_the_bounds(tmp_path: Path) -> Non
 
 
 def _file(path: str, real: str, ino: int, digest: str = "d") -> WeightsFile:
-    return WeightsFile(path, real, 100, 1, ino, 5, 16, digest)
+    return WeightsFile(path, real, 100, 1, ino, 5, 16, (), digest)
 
 
 def test_ranks_compare_digests_everywhere_and_identity_on_one_host() -> None:
