@@ -15,7 +15,11 @@ import _tp_weights_workers as W
 import pytest
 import torch
 from _weights_workers import reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from returns.result import Success
 
+import fprep
 from fprep.errors import ConfigError
 from fprep.weights.blocks import StridedRead, block_read, pieces, tp_weights
 from fprep.weights.records import TensorRead, WeightsPlan, WeightsSnapshot, WeightsTensor
@@ -156,3 +160,54 @@ def test_biased_weights_train_as_one_process(
     assert len(by_dp) == (2 if layout.startswith("dp2") else 1)
     mean = [sum(v[i] for v in by_dp.values()) / len(by_dp) for i in range(len(ref["losses"]))]
     assert mean == pytest.approx(ref["losses"], abs=1e-5)
+
+
+# -- any plan of a biased model: the reads are the planned shards ------------------------------
+@pytest.fixture(scope="module")
+def sequential_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(W.save_sequential(Path(tmp_path_factory.mktemp("seq")) / "seq.safetensors"))
+
+
+#: (world, PrepConfig fields)
+PLAN_LAYOUTS = [
+    (2, {"strategy": "auto", "tp": 2}),
+    (4, {"strategy": "fsdp", "tp": 2}),
+    (4, {"strategy": "auto", "tp": 4}),
+    (8, {"strategy": "hsdp", "tp": 2, "hsdp_shard_size": 2}),
+    (8, {"strategy": "fsdp", "tp": 4}),
+    (6, {"strategy": "fsdp", "tp": 2}),  # 3 dp ranks: uneven FSDP2 rows
+]
+STYLE = st.sampled_from(["colwise", "rowwise", "colwise_rep", "rowwise_rep", "replicate", None])
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.sampled_from(PLAN_LAYOUTS), st.integers(0, 7), STYLE, STYLE)
+def test_any_tp_plan_of_a_biased_model_reads_its_planned_shards(
+    sequential_file: str, layout: tuple[int, dict[str, Any]], rank: int, first: Any, second: Any
+) -> None:
+    """fprep.plan with weights= never raises (a Failure is a PrepError), and every read of a
+    successful plan is this rank's planned shard (the bytes of its local shape) inside its
+    tensor's bytes in the file: what load_weights checks, for every style of each Linear."""
+    world, fields = layout
+    tp_plan = {k: v for k, v in (("0", first), ("2", second)) if v is not None}
+    cfg = fprep.PrepConfig(weights=sequential_file, tp_plan=tp_plan or None, **fields)
+    topology = fprep.Topology(world_size=world, rank=rank % world, local_world_size=world)
+    result = fprep.plan(W.sequential("meta"), cfg, topology)
+    if not isinstance(result, Success):
+        assert isinstance(result.failure(), fprep.PrepError)
+        return
+    state = result.unwrap()
+    assert state.state_dict is not None and state.state_dict.weights is not None
+    assert state.param_handles is not None and state.inputs.weights is not None
+    specs = {s.fqn: s for s in state.param_handles.specs}
+    tensors = {t.key: t for t in state.inputs.weights.tensors}
+    for read in state.state_dict.weights.reads:
+        assert read.nbytes == math.prod(specs[read.name].local_shape) * 4, read
+        t = tensors[read.key]
+        if isinstance(read, StridedRead):
+            end = read.offset + (read.runs - 1) * read.stride + read.nbytes // read.runs
+        else:
+            end = read.offset + read.nbytes
+        assert t.offset <= read.offset and end <= t.offset + t.nbytes, read
