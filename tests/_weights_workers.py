@@ -184,3 +184,23 @@ def rank_changed_weights(root: Path) -> dict[str, Any]:
     _, model = prepared("llama", shared, strategy="fsdp")
     out["ok"] = mismatches(full_state(model), reference(shared))
     return out
+
+
+def rank_own_copy(root: Path) -> dict[str, Any]:
+    """This rank loads its own copy, ``root/rank<RANK>`` (node-local copies), under fsdp: the
+    error's message and subject, or the loaded weights' mismatches against ``root/original``."""
+    rank = int(os.environ["RANK"])
+    model = on_meta_tiny_llama()
+    cfg = fprep.PrepConfig(weights=str(root / f"rank{rank}"), strategy="fsdp")
+    try:
+        _, model = fprep.prepare(model, cfg)
+    except fprep.CheckpointError as e:
+        return {"error": e.message, "subject": e.subject}
+    want = reference(root / "original")
+    return {"mismatches": mismatches(full_state(model), want)}
+
+
+def on_meta_tiny_llama() -> nn.Module:
+    from _tiny_transformers import meta_llama
+
+    return meta_llama()

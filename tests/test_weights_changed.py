@@ -11,7 +11,9 @@ between two ranks' planning, and one rank failing after the other has written ev
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,9 @@ from typing import Any
 import pytest
 import torch
 from _weights_files import stamp_old, write_safetensors, write_swapped
-from _weights_workers import gpt2_config, rank_changed_weights, save
+from _weights_workers import gpt2_config, rank_changed_weights, rank_own_copy, save
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from transformers import GPT2LMHeadModel
 
@@ -29,6 +33,7 @@ from fprep.apply.steps import step
 from fprep.errors import CheckpointError
 from fprep.testing.distributed import run_ranks
 from fprep.weights import pipeline as pipeline_module
+from fprep.weights.identity import BLOCK, MERGE_GAP, TENSOR_SAMPLES, sample_ranges
 
 
 def _two_layers() -> nn.Module:
@@ -175,3 +180,98 @@ def test_two_ranks_refuse_different_revisions_and_a_file_replaced_between_them(
         assert result["late_failure"] == "rank 1 failed late", result
         assert result["late_identical"], rank  # rank 0 had written everything: put back
         assert result["ok"] == []  # and the same checkpoint then loads on both
+
+
+# -- revisions that differ in one tensor ------------------------------------------------------
+def _per_file_samples(header_bytes: int, size: int) -> list[tuple[int, int]]:
+    """What a per-file sampler reads (the oracle of "it would not see it"): 16 evenly spaced
+    4 KiB blocks over the data section, the last at its end."""
+    last = max(0, size - header_bytes - 4096)
+    starts = {header_bytes + last * i // 15 for i in range(16)}
+    return [(s, min(4096, size - s)) for s in sorted(starts)]
+
+
+def _unsampled_tensor(path: Path) -> tuple[str, int, int]:
+    """The largest tensor of ``path`` that no per-file sample touches: (key, offset, nbytes)."""
+    from fprep.weights.header import read_header
+
+    tensors, record = read_header(str(path))
+    samples = _per_file_samples(record.header_bytes, record.size)
+    free = [
+        t
+        for t in tensors
+        if t.nbytes and all(t.offset + t.nbytes <= s or s + n <= t.offset for s, n in samples)
+    ]
+    assert free, "every tensor is sampled per file: the test needs a larger file"
+    t = max(free, key=lambda t: t.nbytes)
+    return t.key, t.offset, t.nbytes
+
+
+def _copies(root: Path, world: int, differing: int | None) -> str | None:
+    """``root/original`` (a tiny Llama's save_pretrained, one file) and one copy per rank;
+    rank ``differing``'s copy has one tensor changed in place (every value of it, as a
+    fine-tune changes a layer it trains), where a per-file sampler would not look. Returns
+    that tensor's key."""
+    from _tiny_transformers import TINY_LLAMA
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(root / "original")
+    for rank in range(world):
+        shutil.copytree(root / "original", root / f"rank{rank}")
+    if differing is None:
+        return None
+    path = root / f"rank{differing}" / "model.safetensors"
+    key, offset, nbytes = _unsampled_tensor(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        values = torch.frombuffer(bytearray(f.read(nbytes)), dtype=torch.float32)
+        f.seek(offset)
+        f.write((values + 1e-3).numpy().tobytes())
+    return key
+
+
+@pytest.mark.parametrize(("world", "differing"), [(2, 1), (4, 2)])
+def test_ranks_whose_copies_differ_in_one_tensor_are_refused(
+    tmp_path: Path, world: int, differing: int
+) -> None:
+    """One rank's copy differs from the others' in one whole tensor that lies between the
+    blocks a per-file sampler reads: a CheckpointError on every rank, naming that rank, the
+    file and the tensor (and no other), before anything is loaded."""
+    key = _copies(tmp_path, world, differing)
+    assert key is not None
+    results = run_ranks(rank_own_copy, world, tmp_path, timeout_s=300)
+    for rank, result in enumerate(results):
+        assert "error" in result, (rank, result)
+        assert "different revisions" in result["error"], (rank, result)
+        assert f"rank {differing}'s" in result["error"] and "model.safetensors" in result["error"]
+        assert f"differ in {key!r} (1 of the tensors sampled)" in result["error"], result
+        assert result["subject"] == "model.safetensors"
+
+
+def test_ranks_with_identical_copies_load(tmp_path: Path) -> None:
+    """Node-local copies that are byte for byte the same load, equal to from_pretrained."""
+    _copies(tmp_path, 2, None)
+    results = run_ranks(rank_own_copy, 2, tmp_path, timeout_s=300)
+    assert [r.get("mismatches") for r in results] == [[], []], results
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 200_000), min_size=1, max_size=30), st.integers(0, 9000))
+def test_every_tensor_is_sampled_at_both_ends(sizes: list[int], pad: int) -> None:
+    """The digest's ranges (any tensor sizes, laid out back to back after a header of ``pad``
+    bytes): sorted and disjoint, each tensor's first and last bytes in them, and no tensor read
+    beyond its samples and the gaps merged between them."""
+    offsets = [pad + sum(sizes[:i]) for i in range(len(sizes))]
+    ranges = sample_ranges(zip(offsets, sizes, strict=True))
+    assert all(a + n < b for (a, n), (b, _) in itertools.pairwise(ranges))  # merged if touching
+
+    def covered(byte: int) -> bool:
+        return any(a <= byte < a + n for a, n in ranges)
+
+    for offset, n in zip(offsets, sizes, strict=True):
+        if n:
+            assert covered(offset) and covered(offset + n - 1)
+        inside = sum(max(0, min(a + m, offset + n) - max(a, offset)) for a, m in ranges)
+        bound = n if n <= TENSOR_SAMPLES * BLOCK else TENSOR_SAMPLES * BLOCK + 3 * MERGE_GAP
+        assert inside <= bound

@@ -164,7 +164,7 @@ def test_real_checkpoint_headers_are_far_below_the_bounds(tmp_path: Path) -> Non
 
 
 def _file(path: str, real: str, ino: int, digest: str = "d") -> WeightsFile:
-    return WeightsFile(path, real, 100, 1, ino, 5, 16, digest)
+    return WeightsFile(path, real, 100, 1, ino, 5, 16, (), digest)
 
 
 def test_ranks_compare_digests_everywhere_and_identity_on_one_host() -> None:
@@ -190,3 +190,22 @@ def test_a_file_touched_after_planning_with_its_mtime_kept_old_is_still_recogniz
     )
     _, model = fprep.prepare(nn.Linear(2, 2, bias=False), fprep.PrepConfig(weights=str(path)))
     assert torch.equal(model.weight, torch.ones(2, 2))
+
+
+def test_paths_the_system_refuses_are_prep_errors(tmp_path: Path) -> None:
+    """A NUL in PrepConfig.weights, and an index naming a file whose name is too long for
+    the file system: each a PrepError naming it (os.stat and Path.exists raise bare ValueError
+    and OSError for them), from fprep.plan as from snapshot."""
+    index = tmp_path / "model.safetensors.index.json"
+    long_name = "a" * 300 + ".safetensors"
+    index.write_text(json.dumps({"weight_map": {"weight": long_name}}))
+    for path, kind, culprit in (
+        (str(tmp_path / "a\x00b"), ConfigError, "weights"),
+        (str(tmp_path), CheckpointError, "weight"),
+    ):
+        with pytest.raises(kind) as e:
+            snapshot(path)
+        assert e.value.subject == culprit
+        result = fprep.plan(nn.Linear(4, 4), fprep.PrepConfig(weights=path))
+        failure = result.failure()
+        assert isinstance(failure, kind) and failure.subject == culprit

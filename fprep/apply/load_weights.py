@@ -50,7 +50,17 @@ from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
 from fprep.tensor_bytes import byte_view
 from fprep.weights.blocks import StridedRead
-from fprep.weights.identity import check_unchanged, disagreement, fingerprint, open_planned
+from fprep.weights.identity import (
+    Fingerprint,
+    changed_tensors,
+    check_unchanged,
+    differing,
+    disagreement,
+    fingerprint,
+    naming,
+    open_planned,
+    tensor_digests,
+)
 from fprep.weights.pipeline import (
     CHUNK_BYTES,
     Chunk,
@@ -240,6 +250,32 @@ def load(plan: WeightsPlan, model: nn.Module, reader: _Reader, kept: _Kept) -> l
     return stats
 
 
+def _located(
+    mismatch: CheckpointError,
+    prints: list[Fingerprint],
+    group: Group,
+    reader: _Reader | None,
+    state: PrepState,
+) -> CheckpointError:
+    """``mismatch``, naming the tensors that differ when two ranks' copies of a file differ
+    (one more collective, on every rank alike: only on this failure)."""
+    at = differing(prints)
+    snapshot = state.inputs.weights
+    if at is None or reader is None or snapshot is None:
+        return mismatch
+    rank, index = at
+    file = reader.plan.files[index]
+    tensors = [t for t in snapshot.tensors if t.file == file.path]
+    try:
+        mine: tuple[str, ...] | None = tensor_digests(
+            reader.fds[file.path], file, [(t.offset, t.nbytes) for t in tensors]
+        )
+    except Exception:  # the file as a whole is named all the same
+        mine = None
+    digests = group.all_gather(mine)
+    return naming(mismatch, changed_tensors(digests[0], digests[rank], [t.key for t in tensors]))
+
+
 @step("load_weights")
 def load_weights(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     plan = need(state.state_dict, "init_state_dict", "load_weights").weights
@@ -270,7 +306,7 @@ def load_weights(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modu
         prints = group.agree(error, fingerprint(plan.files, socket.gethostname()))
         mismatch = disagreement(prints)
         if mismatch is not None:
-            raise mismatch
+            raise _located(mismatch, prints, group, reader, state)
         assert reader is not None
         try:
             try:

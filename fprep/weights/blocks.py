@@ -1,26 +1,33 @@
 """Tensor parallelism's blocks of pretrained weights: what each rank reads of a file.
 
 A parameter tensor parallelism cuts is a block of the file's tensor (``fprep.sharding.TPLayout``:
-the tp chunk, then FSDP2's rows of it), read straight from the file, never whole:
+the tp chunk along its tp dim, then FSDP2's rows of that chunk), read straight from the file,
+never whole. The file's tensor is row-major; seen as ``(rows, outer, cut, inner)`` around the
+cut dim (``outer``, ``inner``: the products of the dims between, and after):
 
-* cut along dim 0 (colwise rows, an ``embedding_rowwise`` vocabulary): the tp chunk's rows,
-  then this shard rank's rows of them: contiguous rows of the file, one byte range;
-* cut along dim 1 (rowwise columns): this shard rank's rows of the full tensor, and in each the
-  tp chunk's columns: one run of bytes per row, ``stride`` (a file row) apart (``StridedRead``),
-  each read into its row of the parameter (memory: the rank's block and nothing else).
+* cut along dim 0 (colwise weights and biases, an ``embedding_rowwise`` vocabulary): the tp
+  chunk's rows, then this shard rank's rows of them: contiguous rows of the file, one byte
+  range, whatever the tensor's rank (a bias's rows are single elements);
+* cut along a later dim (rowwise columns): this shard rank's rows of the full tensor, and in
+  each the tp chunk of the cut dim: one run of bytes per (row, outer) pair, ``stride`` bytes
+  apart (``StridedRead``), each read into its place in the parameter (memory: the rank's block
+  and nothing else).
 
-Parameters the plan replicates over tp, and the ones outside it, keep their reads
-(``fprep.weights.plan``: dim-0 shards under FSDP2, whole otherwise). Pure: no I/O, no tensors.
+Parameters the plan replicates over tp (rowwise biases, sequence-parallel norms), and the ones
+outside it, keep their reads (``fprep.weights.plan``: dim-0 shards under FSDP2, whole
+otherwise). Pure: no I/O, no tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from fprep.errors import ConfigError
 from fprep.sharding import chunk_rows, local_rows
-from fprep.weights.records import TensorRead, WeightsPlan, WeightsSnapshot, WeightsTensor
+from fprep.weights.records import ITEMSIZE, TensorRead, WeightsPlan, WeightsSnapshot, WeightsTensor
 
 if TYPE_CHECKING:
     import torch
@@ -29,29 +36,16 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class StridedRead(TensorRead):
     """``runs`` runs of ``nbytes // runs`` bytes, the first at ``offset``, each ``stride``
-    bytes after the previous: the columns of a rank's rows (``nbytes``: all of them)."""
+    bytes after the previous: the tp chunks of a rank's rows (``nbytes``: all of them)."""
 
     runs: int = 1
     stride: int = 0
 
 
-def _block(
-    t: WeightsTensor, dim: int, tp: int, tp_rank: int, shard: tuple[int, int] | None
-) -> tuple[int, int, int, int]:
-    """``(first row, rows, first column, columns)`` of ``t`` (2-D) that this rank holds."""
-    rows, cols = t.shape[0], t.shape[1]
-    c0, width = 0, cols
-    base, total = 0, rows
-    if dim == 0:
-        total = rows // tp
-        base = total * tp_rank
-    else:
-        width = cols // tp
-        c0 = width * tp_rank
+def _rows(rows: int, shard: tuple[int, int] | None) -> tuple[int, int]:
+    """``(first row, rows)`` of ``rows`` that this shard rank holds (FSDP2's even chunks)."""
     world, rank = shard if shard is not None else (1, 0)
-    start = base + chunk_rows(total, world) * rank
-    count = local_rows(total, world, rank) if width else 0
-    return start, count, c0, width
+    return chunk_rows(rows, world) * rank, local_rows(rows, world, rank)
 
 
 def block_read(
@@ -62,18 +56,35 @@ def block_read(
     tp_rank: int,
     shard: tuple[int, int] | None,
 ) -> TensorRead:
-    """This rank's read of ``t``, a parameter tensor parallelism cuts along ``dim``."""
-    if len(t.shape) != 2 or dim not in (0, 1):  # the plan cuts Linear and Embedding weights
-        raise ValueError(f"{t.key!r}: a tensor-parallel block of a {len(t.shape)}-D tensor")
-    item = t.nbytes // (t.shape[0] * t.shape[1]) if t.nbytes else 0
-    row_bytes = t.shape[1] * item
-    start, count, c0, width = _block(t, dim, tp, tp_rank, shard)
-    offset = t.offset + start * row_bytes + c0 * item
-    if dim == 0 or count <= 1:
-        return dataclasses.replace(read, offset=offset, nbytes=count * width * item)
+    """This rank's read of ``t``, a parameter tensor parallelism cuts along ``dim`` into ``tp``
+    equal chunks (the plan checked that ``tp`` divides it), of which it holds ``tp_rank``'s;
+    ``shard``: ``(dp shard group size, this rank's index)`` under FSDP2, else None."""
+    shape = t.shape
+    if not 0 <= dim < len(shape) or shape[dim] % tp:
+        raise ConfigError(
+            f"tensor parallelism cuts {read.name!r} along dim {dim} into {tp} chunks, but its "
+            f"tensor {t.key!r} in {t.file} has shape {list(shape)}.",
+            subject=read.name,
+            hint="Leave this parameter's module out of PrepConfig.tp_plan (or 'replicate').",
+        )
+    item = ITEMSIZE[t.dtype]
+    width = shape[dim] // tp  # the tp chunk along the cut dim
+    if dim == 0:
+        row_bytes = math.prod(shape[1:]) * item
+        start, count = _rows(width, shard)
+        offset = t.offset + (width * tp_rank + start) * row_bytes
+        return dataclasses.replace(read, offset=offset, nbytes=count * row_bytes)
+    inner = math.prod(shape[dim + 1 :]) * item  # bytes of one element of the cut dim
+    stride = shape[dim] * inner  # bytes from one (row, outer) pair's cut dim to the next
+    start, count = _rows(shape[0], shard)
+    runs = count * math.prod(shape[1:dim])
+    offset = t.offset + start * math.prod(shape[1:dim]) * stride + width * tp_rank * inner
+    nbytes = runs * width * inner
+    if runs <= 1:
+        return dataclasses.replace(read, offset=offset, nbytes=nbytes)
     fields = {f.name: getattr(read, f.name) for f in dataclasses.fields(read)}
-    fields.update(offset=offset, nbytes=count * width * item)
-    return StridedRead(**fields, runs=count, stride=row_bytes)
+    fields.update(offset=offset, nbytes=nbytes)
+    return StridedRead(**fields, runs=runs, stride=stride)
 
 
 def tp_weights(
@@ -85,7 +96,8 @@ def tp_weights(
     shard: tuple[int, int] | None,
 ) -> WeightsPlan:
     """``plan`` with the reads of the parameters tensor parallelism cuts (``dims``: parameter
-    FQN -> tp dim, None: replicated) replaced by this rank's blocks."""
+    FQN -> tp dim, None: replicated) replaced by this rank's blocks. (Tied parameters, whose
+    other names ``plan.same_as`` reads, are never cut: the plan refuses them under tp.)"""
     by_key = {t.key: t for t in snapshot.tensors}
     reads = []
     for read in plan.reads:
@@ -97,12 +109,12 @@ def tp_weights(
 
 
 def pieces(read: TensorRead, dest: torch.Tensor) -> Iterator[tuple[TensorRead, torch.Tensor]]:
-    """Contiguous byte ranges of ``read`` and where each lands in ``dest`` (contiguous): the
-    read itself, or one row per run of a ``StridedRead``."""
+    """Contiguous byte ranges of ``read`` and where each lands in ``dest`` (contiguous, the
+    rank's block): the read itself, or one slice of ``dest`` per run of a ``StridedRead``."""
     if not isinstance(read, StridedRead):
         yield read, dest
         return
     run = read.nbytes // read.runs
-    for i in range(read.runs):
-        part = TensorRead(**{f.name: getattr(read, f.name) for f in dataclasses.fields(TensorRead)})
-        yield dataclasses.replace(part, offset=read.offset + i * read.stride, nbytes=run), dest[i]
+    plain = TensorRead(**{f.name: getattr(read, f.name) for f in dataclasses.fields(TensorRead)})
+    for i, part in enumerate(dest.view(read.runs, -1)):
+        yield dataclasses.replace(plain, offset=read.offset + i * read.stride, nbytes=run), part

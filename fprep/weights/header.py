@@ -18,7 +18,7 @@ from typing import Any
 
 from fprep.checkpoint.format.files import parse_json, read_failure
 from fprep.errors import CheckpointError
-from fprep.weights.identity import digest, open_regular
+from fprep.weights.identity import digest, open_regular, sample_ranges
 from fprep.weights.records import SAFETENSORS_DTYPES, WeightsFile, WeightsTensor
 
 #: Bounds checked before a header is parsed (parsing costs ~700 bytes of Python objects per
@@ -180,9 +180,9 @@ def read_header(path: str) -> tuple[tuple[WeightsTensor, ...], WeightsFile]:
     """The tensors of the safetensors file at ``path``, read and checked, and what the load
     checks it still is (``WeightsFile``).
 
-    Only the header (and the digest's sampled blocks) is read. Symbolic links are resolved
-    here, once (the Hugging Face cache links every file to a blob); the target is opened
-    without following links or blocking and must be a regular file.
+    Only the header (and the digest's sampled blocks of every tensor) is read. Symbolic links
+    are resolved here, once (the Hugging Face cache links every file to a blob); the target is
+    opened without following links or blocking and must be a regular file.
     """
     real = os.path.realpath(path)
     try:
@@ -190,12 +190,14 @@ def read_header(path: str) -> tuple[tuple[WeightsTensor, ...], WeightsFile]:
         try:
             n = header_length(os.pread(fd, 8, 0), info.st_size, path)
             header = _read_bounded(fd, n, path)
-            dig = digest(fd, info.st_size, 8 + n, path, n.to_bytes(8, "little") + header)
+            tensors = parse(header, info.st_size, path)
+            samples = sample_ranges((t.offset, t.nbytes) for t in tensors)
+            prefix = n.to_bytes(8, "little") + header
+            dig = digest(fd, info.st_size, 8 + n, samples, path, prefix)
         finally:
             os.close(fd)
     except OSError as e:
         raise read_failure(e, path) from None
-    tensors = parse(header, info.st_size, path)
     file = WeightsFile(
         path=path,
         real=real,
@@ -204,6 +206,7 @@ def read_header(path: str) -> tuple[tuple[WeightsTensor, ...], WeightsFile]:
         inode=info.st_ino,
         mtime_ns=info.st_mtime_ns,
         header_bytes=8 + n,
+        samples=samples,
         digest=dig,
     )
     return tensors, file

@@ -1,20 +1,23 @@
 """Whether a weights file is still the one planning read, and the same on every rank.
 
 Planning records each file's identity (device, inode, size, modification time) and a digest of
-its header and of ``SAMPLES`` evenly spaced blocks of its data (``WeightsFile``). The load opens
-the file again through its resolved path, never following a link and never blocking (a FIFO
-swapped in would block ``open`` until a writer came), and checks, through the descriptor, that
-it is a regular file with the same identity and the same digest before the first byte is written
-into the model; after the reads ``fstat`` must still say the same. A file replaced by one of the
-same size (tensors swapped, offsets swapped to match) has another inode or another header; one
-rewritten in place has another modification time (or, if that was put back, another header).
+its header and of sampled blocks of every tensor in it (``WeightsFile``; ``sample_ranges``:
+``TENSOR_SAMPLES`` blocks of ``BLOCK`` bytes per tensor, evenly spaced from its first byte to
+its last, a tensor of at most that many bytes whole). The load opens the file again through its
+resolved path, never following a link and never blocking (a FIFO swapped in would block
+``open`` until a writer came), and checks, through the descriptor, that it is a regular file
+with the same identity and the same digest before the first byte is written into the model;
+after the reads ``fstat`` must still say the same. A file replaced by one of the same size
+(tensors swapped, offsets swapped to match) has another inode or another header; one rewritten
+in place has another modification time (or, if that was put back, another header).
 
 Ranks then compare what they planned (``disagreement``): the same files (by name), sizes and
 digests everywhere — ranks given different revisions, or node-local copies out of sync, are
 refused — and, on one host, the same identity for the same path (a file replaced between two
-ranks' planning). The digest samples the data, so two revisions are told apart when their
-bytes differ broadly (any fine-tuning step does), not a single flipped byte: what safetensors
-records does not allow more without reading every byte.
+ranks' planning). Sampling every tensor tells two revisions apart as soon as one tensor differs
+broadly (a fine-tune with most layers frozen changes whole tensors, and only those); values
+changed only between the sampled blocks (a few rows of a large embedding, a single flipped
+byte) are not seen: what safetensors records does not allow more without reading every byte.
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Iterable, Sequence
 
 from fprep.checkpoint.format.files import OPEN_FLAGS
 from fprep.errors import CheckpointError
 from fprep.weights.records import WeightsFile
 
-#: Data blocks of each file the digest covers, and their size.
-SAMPLES, BLOCK = 16, 4096
-_STEP = 1 << 20  # header bytes hashed per read
+#: Blocks sampled per tensor by the digest, and their size: ~16 KiB of each tensor.
+TENSOR_SAMPLES, BLOCK = 4, 4096
+#: Sampled ranges closer than this are read (and hashed) as one: the small tensors of a layer
+#: (norms, biases), read whole, lie next to each other. Small, so that a file of many tensors
+#: just above ``TENSOR_SAMPLES * BLOCK`` bytes is not read whole through merged gaps.
+MERGE_GAP = BLOCK
+_STEP = 1 << 20  # bytes hashed per read
+_SHOWN = 5  # tensors named in a message before "and N more"
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -88,26 +97,49 @@ def _pread(fd: int, n: int, offset: int, shown: str) -> bytes:
     return bytes(out)
 
 
-def sample_offsets(header_bytes: int, size: int) -> list[int]:
-    """Where the sampled data blocks start: evenly spaced over the data, the last at its end."""
-    data = size - header_bytes
-    if data <= 0:
-        return []
-    last = max(0, data - BLOCK)
-    return sorted({header_bytes + last * i // (SAMPLES - 1) for i in range(SAMPLES)})
+def sample_ranges(spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The ``(offset, nbytes)`` ranges of a file the digest hashes, in file order, given its
+    tensors' ``(offset, nbytes)``: ``TENSOR_SAMPLES`` blocks of each, evenly spaced from its
+    start to its end (a tensor of at most that many blocks whole), ranges less than
+    ``MERGE_GAP`` apart merged. Pure: planning and loading compute the same ranges from the
+    same header."""
+    blocks: list[tuple[int, int]] = []
+    for offset, nbytes in spans:
+        if nbytes <= TENSOR_SAMPLES * BLOCK:
+            blocks.append((offset, nbytes))
+            continue
+        last = nbytes - BLOCK
+        steps = TENSOR_SAMPLES - 1
+        blocks.extend((offset + last * i // steps, BLOCK) for i in range(TENSOR_SAMPLES))
+    merged: list[tuple[int, int]] = []
+    for start, n in sorted(b for b in blocks if b[1] > 0):
+        if merged and start - (merged[-1][0] + merged[-1][1]) < MERGE_GAP:
+            first, length = merged[-1]
+            merged[-1] = (first, max(length, start + n - first))
+        else:
+            merged.append((start, n))
+    return tuple(merged)
 
 
-def digest(fd: int, size: int, header_bytes: int, shown: str, header: bytes = b"") -> str:
+def digest(
+    fd: int,
+    size: int,
+    header_bytes: int,
+    samples: tuple[tuple[int, int], ...],
+    shown: str,
+    header: bytes = b"",
+) -> str:
     """BLAKE2b of the size, the header (with its 8-byte length; ``header`` when already read)
-    and the sampled data blocks."""
+    and the ``samples`` ranges of the data (``sample_ranges``)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(size.to_bytes(8, "little"))
     if header:
         h.update(header)
     for start in range(len(header), header_bytes, _STEP):
         h.update(_pread(fd, min(_STEP, header_bytes - start), start, shown))
-    for offset in sample_offsets(header_bytes, size):
-        h.update(_pread(fd, min(BLOCK, size - offset), offset, shown))
+    for offset, nbytes in samples:
+        for start in range(offset, offset + nbytes, _STEP):
+            h.update(_pread(fd, min(_STEP, offset + nbytes - start), start, shown))
     return h.hexdigest()
 
 
@@ -132,7 +164,7 @@ def open_planned(file: WeightsFile) -> int:
     try:
         if identity(info) != file.identity:
             raise _changed(file, identity(info), "checked when opened for loading")
-        if digest(fd, file.size, file.header_bytes, file.path) != file.digest:
+        if digest(fd, file.size, file.header_bytes, file.samples, file.path) != file.digest:
             raise CheckpointError(
                 f"{file.path}'s header or data is not what prepare planned with (same size, "
                 "inode and modification time, another digest).",
@@ -160,6 +192,52 @@ def fingerprint(files: tuple[WeightsFile, ...], host: str) -> Fingerprint:
     identity."""
     return host, tuple(
         (os.path.basename(f.path), f.real, f.size, f.digest, f.identity) for f in files
+    )
+
+
+def differing(prints: list[Fingerprint]) -> tuple[int, int] | None:
+    """``(rank, file index)`` of the first file whose size or digest differs from rank 0's,
+    when every rank has the same file names (pure: every rank finds the same)."""
+    _, files0 = prints[0]
+    for rank, (_, files) in enumerate(prints[1:], start=1):
+        if [f[0] for f in files] != [f[0] for f in files0]:
+            return None
+        for index, (mine, first) in enumerate(zip(files, files0, strict=True)):
+            if (mine[2], mine[3]) != (first[2], first[3]):
+                return rank, index
+    return None
+
+
+def tensor_digests(fd: int, file: WeightsFile, spans: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    """The digest of ``file``'s header, then one per tensor (``spans``: each tensor's
+    ``(offset, nbytes)``, in the header's order) of that tensor's sampled blocks: where two
+    copies whose file digests differ differ."""
+    out = [digest(fd, 0, file.header_bytes, (), file.path)]
+    out.extend(digest(fd, 0, 0, sample_ranges([span]), file.path) for span in spans)
+    return tuple(out)
+
+
+def changed_tensors(
+    first: Sequence[str] | None, mine: Sequence[str] | None, keys: Sequence[str]
+) -> list[str]:
+    """The ``keys`` whose ``tensor_digests`` differ between two copies; none when a copy's
+    digests are missing (it could not be read) or the headers differ (the tensors are laid out
+    differently: the file as a whole differs)."""
+    if not first or not mine or len(first) != len(mine) or first[0] != mine[0]:
+        return []
+    return [key for key, a, b in zip(keys, first[1:], mine[1:], strict=True) if a != b]
+
+
+def naming(error: CheckpointError, keys: Sequence[str]) -> CheckpointError:
+    """``error`` (from ``disagreement``), its message naming the tensors that differ."""
+    if not keys:
+        return error
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+    return CheckpointError(
+        f"{error.message} The copies differ in {shown}{more} ({len(keys)} of the tensors sampled).",
+        subject=error.subject,
+        hint=error.hint,
     )
 
 

@@ -53,7 +53,8 @@ class WeightsFile:
 
     ``real`` is the path with every link resolved (the Hugging Face cache links each file to a
     blob): the load opens it without following links, so what it reads is what was planned.
-    ``digest`` (``fprep.weights.identity``) covers the header and sampled data blocks.
+    ``digest`` (``fprep.weights.identity``) covers the header and ``samples``: the byte
+    ranges sampled from every tensor.
     """
 
     path: str  # as the checkpoint names it (in messages)
@@ -63,6 +64,7 @@ class WeightsFile:
     inode: int  # st_ino
     mtime_ns: int
     header_bytes: int  # 8 + the header's length
+    samples: tuple[tuple[int, int], ...]  # (offset, nbytes) the digest hashes, in file order
     digest: str
 
     @property

@@ -61,6 +61,12 @@ def snapshot(path: str) -> WeightsSnapshot:
 
 def _mode(path: str) -> int:
     """``st_mode`` of ``path`` (links followed), or a ConfigError saying why there is none."""
+    if "\x00" in path:  # os.stat would raise a bare ValueError
+        raise ConfigError(
+            f"PrepConfig.weights is {path!r}, which holds a NUL character: no file has that name.",
+            subject="weights",
+            hint="Pass a save_pretrained directory or a .safetensors file.",
+        )
     try:
         return os.stat(path).st_mode
     except FileNotFoundError:
@@ -173,7 +179,16 @@ def _inside(directory: Path, key: str, name: object, what: str) -> Path:
             hint="An index may only name files in its own directory; this one was not used.",
         )
     path = directory.joinpath(*parts)
-    if not path.exists():
+    try:
+        found = path.exists()
+    except OSError as e:  # a name too long for the file system, a permission denied
+        raise CheckpointError(
+            f"{what} maps {key!r} to {name!r}, which cannot be looked up: {e.strerror or e}.",
+            subject=key,
+            hint="The index does not belong to a checkpoint in this directory, or the directory "
+            "is not readable; re-save or re-download the checkpoint.",
+        ) from None
+    if not found:
         raise CheckpointError(
             f"{what} maps {key!r} to {name!r}, but {path} does not exist.",
             subject=key,
