@@ -28,7 +28,7 @@ from fprep.errors import (
 )
 from fprep.loop import accumulate, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
-from fprep.parallel_loop import loss_parallel
+from fprep.parallel_loop import check_tp_inputs, loss_parallel
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
 from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
 from fprep.ranks import (
@@ -120,6 +120,7 @@ __all__ = [
     "all_reduce_gradients",
     "backward",
     "chain",
+    "check_tp_inputs",
     "clip_grad_norm",
     "default_steps",
     "end_training",
