@@ -130,7 +130,7 @@ def _beside_tp(state: PrepState) -> ProcessGroupState:
             "process: the script was started with plain python, not through a launcher.",
             subject="tp",
             hint=f"Launch it with torchrun, one process per device: torchrun "
-            f"--nproc-per-node {tp} train.py (or a multiple of {tp}; `fprep env` shows the "
+            f"--nproc-per-node {tp} train.py (or a multiple of {tp}; 'fprep env' shows the "
             "topology each process sees).",
         )
     if world % tp:
