@@ -60,8 +60,8 @@ class LabelsNeedLossParallel:
                 "(colwise_loss_parallel): cross-entropy on them needs loss parallelism, and "
                 "without it torch fails with 'got mixed torch.Tensor and DTensor'.",
                 subject="labels",
-                hint="Run the forward and the backward inside `with fprep.loss_parallel(state):` "
-                "(fprep.loss_parallel), or give the head colwise_gather_output instead.",
+                hint="Run the forward and the backward inside `with fprep.loss_parallel(state):`, "
+                "or give the head colwise_gather_output instead.",
             )
 
 
