@@ -14,11 +14,17 @@ on the 2 x 2 mesh ``("dp", "tp")``:
 * ``fprep``: ``fprep.prepare(model, PrepConfig(strategy="fsdp", tp=2, wrap=LlamaBlock))`` (the
   model's own ``Llama._tp_plan``: the same styles).
 
-Step time: AdamW, cross-entropy, batch 2 x 64 tokens per data-parallel rank. Each round runs one
-step of every variant in a random order (the same on every rank; ranks meet at a barrier before
-each step); figures are medians over rounds, the spread in brackets the min-max of the same
-ratio over 5 chunks of rounds. ``torch again`` is a second hand-written copy measured like the
-others: its ratio to ``torch`` is the noise floor. Target: fprep / torch <= 1.02.
+Step time: AdamW, cross-entropy, gradient clipping to norm 1.0, batch 2 x 64 tokens per
+data-parallel rank. Clipping is part of every real loop and was the step's largest difference
+(issue 27): ``fprep.clip_grad_norm`` on fprep's side; on torch's, what a careful hand-written
+loop does: the gradients grouped by mesh (``DeviceMesh`` equality), each group's norm through
+DTensor (``get_total_norm(...).full_tensor()``), combined, then ``clip_grads_with_norm_``. Each
+round runs one step of every variant in a random order (the same on every rank; ranks meet at
+a barrier before each step); figures are medians over rounds, the spread in brackets the
+min-max of the same ratio over 5 chunks of rounds. ``torch again`` is a second hand-written copy
+measured like the others: its ratio to ``torch`` is the noise floor. Target: fprep / torch <=
+1.02. Two lines break it down: the clipping alone (both ways, on fprep's gradients) and
+``fprep.check_tp_inputs`` of one batch (what the first forward of a prepared model checks once).
 
 Prepare peak memory: every variant prepares in fresh processes (4 ranks spawned per variant
 and round, variants alternating), after the process group exists, the model is built and a
@@ -54,6 +60,7 @@ TINY = LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, voca
 WORLD, TP = 4, 2
 BATCH, SEQ = 2, 64
 STEP_TARGET, MEMORY_TARGET = 1.02, 1.05
+MAX_NORM = 1.0
 CONTROL = "torch again"
 MB = 1e6
 
@@ -112,11 +119,28 @@ def prepared(variant: str, model: Llama) -> tuple[nn.Module, Any]:
 
 
 # -- step time --------------------------------------------------------------------------------
+def clip_by_hand(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Hand-written clipping of FSDP2 x TP gradients: one DTensor norm per distinct mesh."""
+    grads: list[Any] = [p.grad for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[Any, list[Any]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh, []).append(g)
+    norms = [nn.utils.get_total_norm(group) for group in by_mesh.values()]
+    norms = [n.full_tensor() for n in norms]  # type: ignore[attr-defined]
+    total = torch.stack(norms).pow(2).sum().sqrt()
+    nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    return total
+
+
+def _batches() -> torch.Tensor:
+    g = torch.Generator().manual_seed(dist.get_rank() // TP)  # one batch per tp group
+    return torch.randint(0, CONFIG.vocab_size, (8, BATCH, SEQ + 1), generator=g)
+
+
 def _loop(variant: str) -> Loop:
     model, state = prepared("fprep" if variant == "fprep" else "torch", build())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(dist.get_rank() // TP)  # one batch per tp group
-    tokens = torch.randint(0, CONFIG.vocab_size, (8, BATCH, SEQ + 1), generator=g)
+    tokens = _batches()
     i = 0
 
     def step() -> None:
@@ -127,19 +151,37 @@ def _loop(variant: str) -> Loop:
         loss = F.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten())
         if state is None:
             loss.backward()
+            clip_by_hand(model, MAX_NORM)
+            optimizer.step()
         else:
             fprep.backward(state, model, loss)
-        optimizer.step()
+            fprep.clip_grad_norm(state, model, MAX_NORM)
+            fprep.optimizer_step(state, optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def _parts(rounds: int) -> dict[str, list[float]]:
+    """Clipping alone (fprep's and by hand, on fprep's gradients) and one input check."""
+    model, state = prepared("fprep", build())
+    t = _batches()[0]
+    logits = model(t[:, :-1])
+    fprep.backward(state, model, F.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten()))
+    big = 1e9  # nothing is scaled: every round sees the same gradients
+    loops = {
+        "clip fprep": lambda: fprep.clip_grad_norm(state, model, big) and None,
+        "clip by hand": lambda: clip_by_hand(model, big) and None,
+        "input check": lambda: fprep.check_tp_inputs(state, t[:, :-1]),
+    }
+    return interleaved(loops, rounds, warmup=2)
 
 
 def step_times(rounds: int, warmup: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     loops = {name: _loop(name) for name in ("fprep", "torch", CONTROL)}
-    return interleaved(loops, rounds, warmup)
+    return {**interleaved(loops, rounds, warmup), **_parts(rounds)}
 
 
 # -- prepare peak memory ----------------------------------------------------------------------
@@ -191,7 +233,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     times = run_ranks(step_times, WORLD, rounds, warmup, timeout_s=3600.0)[0]
     r, lo, hi = ratio(times, "fprep")
     c, clo, chi = ratio(times, CONTROL)
-    print(f"\nstep time, median over {rounds} rounds (batch {BATCH} x {SEQ} per dp rank, AdamW)")
+    print(
+        f"\nstep time, median over {rounds} rounds (batch {BATCH} x {SEQ} per dp rank, AdamW, "
+        f"clipping to {MAX_NORM})"
+    )
     print(f"   torch {statistics.median(times['torch']) * 1e3:7.2f} ms")
     print(f"   fprep {statistics.median(times['fprep']) * 1e3:7.2f} ms")
     print(
@@ -200,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{'ok' if r <= STEP_TARGET else 'MISSED'}",
         flush=True,
     )
+    for name in ("clip fprep", "clip by hand", "input check"):
+        print(f"   {name:<12} {statistics.median(times[name]) * 1e3:7.2f} ms (alone)")
+    sys.stdout.flush()
     peaks: dict[str, list[float]] = {"torch": [], "fprep": []}
     absolute: dict[str, list[float]] = {"torch": [], "fprep": []}
     secs: dict[str, list[float]] = {"torch": [], "fprep": []}

@@ -28,7 +28,7 @@ from fprep.errors import (
 )
 from fprep.loop import accumulate, autocast, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
-from fprep.parallel_loop import loss_parallel
+from fprep.parallel_loop import check_tp_inputs, loss_parallel
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
 from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
 from fprep.processes import (
@@ -129,6 +129,7 @@ __all__ = [
     "autocast",
     "backward",
     "chain",
+    "check_tp_inputs",
     "clip_grad_norm",
     "default_steps",
     "end_training",

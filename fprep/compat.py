@@ -151,6 +151,20 @@ def ddp_syncs_buffers(ddp: Any) -> bool:
     return bool(getattr(ddp, name))
 
 
+# -- DTensor loss parallelism ----------------------------------------------------------------
+def loss_parallel_active() -> bool:
+    """Whether torch's ``loss_parallel()`` is entered (its cross-entropy handlers sit in
+    DTensor's op dispatcher). True where this torch keeps them elsewhere: a check built on this
+    then never refuses for want of knowing."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+    except (ImportError, AttributeError):  # pragma: no cover - another torch's layout
+        return True
+    return torch.ops.aten.nll_loss_forward.default in handlers
+
+
 # -- torchao float8 -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Float8Api:

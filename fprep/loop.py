@@ -17,7 +17,6 @@ research loop:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,8 @@ from fprep.apply.steps import handles_of
 from fprep.collectives import collective
 from fprep.data import PreparedDataLoader
 from fprep.errors import PrepareError
+from fprep.grad_norm import check_norm_type, is_dtensor
+from fprep.grad_norm import total_norm as total_norm_of
 from fprep.processes import gather_parts
 from fprep.state import PrepState, need
 
@@ -150,10 +151,6 @@ def accumulate(
     return _SYNC
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "full_tensor") and hasattr(t, "placements")
-
-
 def clip_grad_norm(
     state: PrepState,
     model: nn.Module,
@@ -165,8 +162,9 @@ def clip_grad_norm(
     """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping.
 
     The norm is the single-process norm of the full gradient: sharded (DTensor) gradients are
-    reduced across their mesh, replicated ones counted once. With fp16, pass the optimizer so
-    the gradients are unscaled first.
+    reduced across their mesh, one all-reduce per distinct mesh, replicated ones counted once
+    (``fprep.grad_norm``). With fp16, pass the optimizer so the gradients are unscaled first.
+    ``norm_type`` is a positive p or ``math.inf``.
     """
     handles = handles_of(state)
     if optimizer is not None and handles.replaced_params is not None:
@@ -181,34 +179,16 @@ def clip_grad_norm(
             )
         scaler.unscale_(optimizer)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sharded: list[Any] = [g for g in grads if _is_dtensor(g)]
-    plain = [g for g in grads if not _is_dtensor(g)]
-    norms: list[torch.Tensor] = []
-    if sharded:  # reduced across each mesh: a lost rank is a CollectiveError
-        # Under tensor parallelism gradients live on several meshes ((dp, tp) for planned
-        # weights, dp for the rest): one norm per mesh, combined below like the plain ones.
-        by_mesh: dict[int, list[Any]] = {}
-        for g in sharded:
-            by_mesh.setdefault(id(g.device_mesh), []).append(g)
-        with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
-            for group in by_mesh.values():
-                total: Any = nn.utils.get_total_norm(group, norm_type)
-                norms.append(total.full_tensor() if _is_dtensor(total) else total)
-    if plain:
-        norms.append(nn.utils.get_total_norm(plain, norm_type))
-    if not norms:
+    if not grads:
+        check_norm_type(norm_type)
         return torch.tensor(0.0)
-    stacked = torch.stack([n.to(norms[0].device) for n in norms])
-    if math.isinf(norm_type):
-        total_norm = stacked.max()
-    else:
-        total_norm = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    # one all-reduce per distinct mesh; a lost rank is a CollectiveError
+    with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
+        total_norm = total_norm_of(grads, norm_type)
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in plain:
-            g.mul_(coef.to(g.device))
-        for g in sharded:  # scale each rank's shard: no collective, no DTensor dispatch
-            local = g.to_local()
+        for g in grads:  # a DTensor: scale this rank's shard, no collective, no dispatch
+            local: torch.Tensor = g.to_local() if is_dtensor(g) else g  # type: ignore[attr-defined]
             local.mul_(coef.to(local.device))
     return total_norm
 

@@ -7,6 +7,8 @@ dimension, and ``shard`` then shards their local blocks over the data-parallel d
 float8 Linear layers the plan lists (``TensorParallelState.float8``, converted by the ``fp8``
 step just before) get torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` where
 the plan names them: the same layouts, with inputs and output gradients cast to float8.
+The first forward checks that every rank of a tp group was given the same inputs
+(``fprep.tp_inputs``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from torch import nn
 from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.compat import float8_api, float8_tp_styles
+from fprep.parallel_loop import LabelsNeedLossParallel
 from fprep.state import PrepState, need
+from fprep.tp_inputs import FirstInputsCheck
 from fprep.tp_styles import STYLES, Style
 
 
@@ -70,6 +74,12 @@ def parallelize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         if STYLES[name].kind != "replicate"
     }
     attrs = param_attributes(model)
-    parallelize_module(model, handles_of(state).tp_mesh, plan)
+    handles = handles_of(state)
+    parallelize_module(model, handles.tp_mesh, plan)
     carry_param_attributes(model, attrs)
+    # the ranks of a tp group must be given equal inputs: checked at the first forward
+    check = FirstInputsCheck(handles.tp_mesh.get_group(), handles.device, state.config.timeout_s)
+    check.install(model)
+    if tps.loss_parallel:  # labels= outside loss_parallel: refused, naming the fix
+        model.register_forward_pre_hook(LabelsNeedLossParallel(), with_kwargs=True)
     return state, model

@@ -124,6 +124,15 @@ def _beside_tp(state: PrepState) -> ProcessGroupState:
             hint="Pass neither (fprep lays out (dp..., tp) from the world), or set tp=1 and "
             "apply tensor parallelism yourself.",
         )
+    if world == 1:
+        raise ConfigError(
+            f"PrepConfig.tp={tp} needs {tp} processes (or a multiple), but this is one "
+            "process: the script was started with plain python, not through a launcher.",
+            subject="tp",
+            hint=f"Launch it with torchrun, one process per device: torchrun "
+            f"--nproc-per-node {tp} train.py (or a multiple of {tp}; 'fprep env' shows the "
+            "topology each process sees).",
+        )
     if world % tp:
         raise ConfigError(
             f"PrepConfig.tp={tp} does not divide the world size {world}: the product of the "
