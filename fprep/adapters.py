@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fprep.errors import ConfigError
 from fprep.snapshot import ModuleTree, parent_fqn
 
 PEFT_MODEL = "peft.peft_model.PeftModel"
@@ -111,3 +112,62 @@ class AdapterLayout:
         """Of ``visits``, the LoRA factors (initialized as peft does, not by the base model's
         convention)."""
         return tuple(v for v in visits if self.lora_factor(v) is not None)
+
+    def tensor_parallel(
+        self, tree: ModuleTree, modules: tuple[tuple[str, str], ...], *, sequence: bool
+    ) -> tuple[tuple[str, str], ...]:
+        """The tp plan's ``(module, style)`` pairs with each wrapped layer's style moved onto
+        what it wraps: a colwise layer's base layer and ``lora_B`` factors take its style (their
+        outputs are added, both sharded on the last dim), its ``lora_A`` stay whole on every tp
+        rank; a rowwise layer's base layer and ``lora_A`` factors take its style (both read the
+        sharded input; ``lora_A``'s small output is all-reduced), its ``lora_B`` stay whole.
+        Whatever else the plan asks of a peft layer is a ``ConfigError`` naming it."""
+        out: list[tuple[str, str]] = []
+        for fqn, style in modules:
+            if fqn not in self.layers:
+                out.append((fqn, style))
+                continue
+            kind = "colwise" if style.startswith("colwise") else style
+            info = tree.module(fqn)
+            refusal = _tp_refusal(tree, fqn, kind, sequence)
+            if refusal:
+                cls = info.class_name if info is not None else "a peft layer"
+                raise ConfigError(
+                    f"tensor parallelism over the peft layer {fqn!r} ({cls}, style "
+                    f"{style!r}): {refusal}.",
+                    subject=fqn,
+                    hint="Leave the layer out of target_modules (LoRA on the others), or "
+                    "train it without tp (strategy='fsdp', tp=1).",
+                )
+            out.append((f"{fqn}.base_layer", style))
+            sharded = "lora_B" if kind == "colwise" else "lora_A"
+            for m in tree.modules:
+                if parent_fqn(m.fqn) == f"{fqn}.{sharded}":
+                    out.append((m.fqn, style))
+        return tuple(out)
+
+
+def _tp_refusal(tree: ModuleTree, layer: str, kind: str, sequence: bool) -> str:
+    """Why a wrapped layer cannot take a tp style, or "" when it can."""
+    info = tree.module(layer)
+    if info is None or not info.is_a(LORA_LAYER):
+        return "fprep shards LoRA layers only, not other peft methods"
+    if kind not in ("colwise", "rowwise"):
+        return "LoRA layers take colwise and rowwise styles only"
+    if sequence:
+        return "sequence parallelism would feed its LoRA factors sequence-sharded DTensors"
+    for m in tree.modules:
+        if not m.fqn.startswith(f"{layer}."):
+            continue
+        rest = m.fqn[len(layer) + 1 :]
+        if rest.startswith(("lora_embedding_", "lora_magnitude_vector")) and m.param_names:
+            return "fprep shards LoRA factors of Linear layers only (no DoRA, no embeddings)"
+        if rest.startswith("lora_dropout.") and m.is_a("Dropout"):
+            return (
+                "its lora_dropout would draw a different mask on each tp rank, so the factors "
+                "kept whole on every tp rank would get different gradients and drift apart"
+            )
+        if rest.startswith(("lora_A.", "lora_B.")) and rest.count(".") == 1:
+            if not m.is_a("Linear"):
+                return f"its factor {m.fqn!r} is a {m.class_name}, not an nn.Linear"
+    return ""

@@ -8,9 +8,10 @@ for every ``nn.Linear``) would make B non-zero and the fresh adapter would chang
 Each factor is initialized by itself (one module, like ``reset_parameters``), so fprep's
 reproducible init seeds it from its FQN: the same values at any world size.
 
-Initializations that depend on the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA, ...) or that
-are not LoRA factors of Linear layers are refused before any effect: on the meta device there
-are no base weights to compute them from.
+Other initializations (``orthogonal``, and those computed from the base weights or from data:
+EVA, LoRA-GA, ...; PiSSA and OLoRA already fail inside ``get_peft_model`` on the meta device)
+and adapters that are not LoRA factors of Linear layers (DoRA's magnitudes, LoRA on embeddings)
+are refused before any effect.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def _option(configs: dict[str, Any], adapter: str, layer: str) -> object:
         what = "use_dora=True" if use_dora else f"init_lora_weights={option!r}"
         raise ModelError(
             f"LoRA layer {layer!r} (adapter {adapter!r}) is on the meta device with {what}: "
-            "that initialization is computed from the base weights, which are not there yet.",
+            "fprep initializes LoRA on the meta device as peft's init_lora_weights=True, "
+            "'gaussian' or False do; the others are computed from the base weights or from "
+            "data (or, for DoRA, hold magnitudes of the base weights).",
             subject=layer,
             hint="Use init_lora_weights=True (peft's default) or 'gaussian' on the meta device; "
             "for the others, load the base model first (from_pretrained), call get_peft_model "

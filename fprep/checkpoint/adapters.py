@@ -27,6 +27,7 @@ from fprep.checkpoint.stores.backend import is_url
 from fprep.checkpoint.stores.sink import Sink, open_sink
 from fprep.errors import CheckpointError
 from fprep.state import PrepState
+from fprep.unwrap import _original_class as original_class  # FSDP<Class> -> Class
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,7 +57,7 @@ def save_adapters(
         for name, config in configs.items():
             _refuse_unsupported(name, config)
             where = directory if name == "default" else _join(directory, name)
-            files.append((name, where, _config_bytes(config)))
+            files.append((name, where, _config_bytes(config, peft_model, state.config.weights)))
     except Exception as e:
         error = _failed(e, directory)
     group.agree(error)
@@ -93,14 +94,34 @@ def _refuse_unsupported(name: str, config: Any) -> None:
         )
 
 
-def _config_bytes(config: Any) -> bytes:
+def _config_bytes(config: Any, peft_model: nn.Module, weights: str | None) -> bytes:
     """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it: peft's own
-    serialization, of a copy in inference mode (the caller's config is not changed)."""
+    serialization of a copy (the caller's config is not changed) in inference mode, naming the
+    base model (its ``name_or_path``, else the ``weights=`` it was prepared from) and, without
+    a task type, its class (the original one, not FSDP's)."""
     saved = copy.deepcopy(config)
     saved.inference_mode = True
+    inner = _base_model(peft_model)
+    if saved.base_model_name_or_path is None:
+        known = inner.__dict__.get("name_or_path", None) if inner is not None else None
+        saved.base_model_name_or_path = known or weights or None
+    mapping = None
+    if saved.task_type is None and inner is not None:
+        cls = original_class(inner)
+        mapping = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
     with tempfile.TemporaryDirectory() as scratch:
-        saved.save_pretrained(scratch)
+        saved.save_pretrained(scratch, auto_mapping_dict=mapping)
         return (Path(scratch) / ADAPTER_CONFIG).read_bytes()
+
+
+def _base_model(peft_model: nn.Module) -> nn.Module | None:
+    """The model peft wraps (``base_model.model`` of a ``PeftModel``, ``model`` of a tuner)."""
+    for at in ("base_model.model", "model"):
+        try:
+            return peft_model.get_submodule(at)
+        except AttributeError:
+            continue
+    return None
 
 
 def _selector(peft_model: nn.Module, adapter: str) -> Any:
