@@ -167,7 +167,7 @@ def _tp_refusal(tree: ModuleTree, layer: str, kind: str, sequence: bool) -> str:
                 "its lora_dropout would draw a different mask on each tp rank, so the factors "
                 "kept whole on every tp rank would get different gradients and drift apart"
             )
-        if rest.startswith(("lora_A.", "lora_B.")) and rest.count(".") == 1:
-            if not m.is_a("Linear"):
-                return f"its factor {m.fqn!r} is a {m.class_name}, not an nn.Linear"
+        factor = rest.startswith(("lora_A.", "lora_B.")) and rest.count(".") == 1
+        if factor and not m.is_a("Linear"):
+            return f"its factor {m.fqn!r} is a {m.class_name}, not an nn.Linear"
     return ""

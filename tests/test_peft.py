@@ -222,3 +222,18 @@ def test_save_pretrained_refuses_a_config_for_adapters(base: Path, tmp_path: Pat
         fprep.save_pretrained(tmp_path / "out", state, model, config={"x": 1})
     assert caught.value.subject == "config"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option", ["gaussian", False])
+def test_other_lora_inits_peft_computes_without_the_base(base: Path, option: object) -> None:
+    """'gaussian': A normal with std 1/r, B zeros; False: both as nn.Linear builds them."""
+    model = W.build_meta(str(base), init_lora_weights=option)
+    _, model = fprep.prepare(model, fprep.PrepConfig(weights=str(base), seed=0))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    if option == "gaussian":
+        assert torch.count_nonzero(b) == 0
+        assert 0.8 / layer.r["default"] < float(a.std()) < 1.2 / layer.r["default"]
+    else:
+        assert float(b.abs().max()) <= 1 / math.sqrt(b.shape[1])
+        assert torch.count_nonzero(b) == b.numel()

@@ -50,8 +50,8 @@ def lora_inits(state: PrepState, model: nn.Module) -> dict[str, Init]:
         if factor == "lora_B":
             out[visit] = _zeros
         elif option == "gaussian":
-            layer = model.get_submodule(layer_fqn)
-            out[visit] = _gaussian(1 / layer.r[adapter])  # type: ignore[index]
+            ranks: dict[str, int] = getattr(model.get_submodule(layer_fqn), "r")  # noqa: B009
+            out[visit] = _gaussian(1 / ranks[adapter])
         else:
             out[visit] = _like_linear
         if option is False:  # peft leaves both factors as nn.Linear built them

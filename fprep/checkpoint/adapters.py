@@ -57,7 +57,9 @@ def save_adapters(
         for name, config in configs.items():
             _refuse_unsupported(name, config)
             where = directory if name == "default" else _join(directory, name)
-            files.append((name, where, _config_bytes(config, peft_model, state.config.weights)))
+            weights = state.config.weights
+            source = str(weights) if weights is not None else None
+            files.append((name, where, _config_bytes(config, peft_model, source)))
     except Exception as e:
         error = _failed(e, directory)
     group.agree(error)

@@ -497,6 +497,8 @@ def init_param_handles(state: PrepState) -> PrepState:
         check_unit_dtypes(ordered, mixed=core.precision.param_dtype is not None)
     return state.replace(
         param_handles=ParamHandleState(
-            units=ordered, ignored=tuple(kept), materialize=_with_lora(state, _materialize(state, ignored))
+            units=ordered,
+            ignored=tuple(kept),
+            materialize=_with_lora(state, _materialize(state, ignored)),
         )
     )
