@@ -237,3 +237,26 @@ def test_other_lora_inits_peft_computes_without_the_base(base: Path, option: obj
     else:
         assert float(b.abs().max()) <= 1 / math.sqrt(b.shape[1])
         assert torch.count_nonzero(b) == b.numel()
+
+
+def test_missing_keys_are_named_and_allowed_as_the_checkpoint_names_them(
+    base: Path, tmp_path: Path
+) -> None:
+    """A checkpoint without the head: the error names the key the checkpoint lacks (not peft's
+    name), and weights_missing_keys allows it under that name (the head is then initialized)."""
+    from safetensors.torch import save_file
+
+    state_dict = load_file(base / "model.safetensors")
+    del state_dict["lm_head.weight"]
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    save_file(state_dict, headless / "model.safetensors", metadata={"format": "pt"})
+    model = W.build_meta(str(base), modules_to_save=["lm_head"])
+    error = fprep.plan(model, fprep.PrepConfig(weights=str(headless)), fprep.Topology()).failure()
+    assert isinstance(error, fprep.CheckpointError)
+    assert "'lm_head.weight' (2 missing)" in error.message  # the original and the copy
+    cfg = fprep.PrepConfig(weights=str(headless), weights_missing_keys=("lm_head.*",), seed=0)
+    _, model = fprep.prepare(model, cfg)
+    head = model.base_model.model.lm_head
+    assert not head.original_module.weight.is_meta
+    assert torch.count_nonzero(head.modules_to_save["default"].weight) > 0
