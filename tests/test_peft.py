@@ -53,7 +53,7 @@ def one(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return W.train(str(base), str(tmp_path_factory.mktemp("one")), {"strategy": "fsdp"}, STEPS)
 
 
-@pytest.fixture(scope="module", params=tuple(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) for k in LAYOUTS])
 def ranks(
     request: pytest.FixtureRequest, base: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ def _run(tmp_path: Path, nproc: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_train_text_at_1_and_2_ranks(tmp_path: Path) -> None:
     one = _run(tmp_path, 1)
