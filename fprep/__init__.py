@@ -85,12 +85,25 @@ def save_pretrained(
     ``model.safetensors`` (``export_full``) and ``config.json`` (``model.config``, or
     ``config=``), plus ``generation_config.json`` when the model has one. Call it on every rank;
     rank 0 writes. ``model.save_pretrained`` on a sharded model does not gather its shards.
-    See docs/finetune.md.
+    A peft model's adapters are written as ``PeftModel.save_pretrained`` writes them
+    (``adapter_model.safetensors`` and ``adapter_config.json``, for
+    ``PeftModel.from_pretrained``); ``config=`` does not apply to them. See docs/finetune.md.
     """
+    from fprep.checkpoint.adapters import peft_model_of, save_adapters
     from fprep.checkpoint.export import save_pretrained as _save_pretrained
     from fprep.collectives import collective
 
+    peft_model = peft_model_of(model)
     with collective("fprep.save_pretrained", state.config.timeout_s):
+        if peft_model is not None:
+            if config is not None:
+                raise CheckpointError(
+                    "config= was given for a peft model: fprep.save_pretrained writes its "
+                    "adapters with their own adapter_config.json (peft's LoraConfig).",
+                    subject="config",
+                    hint="Leave config= out; the base model's config is the base checkpoint's.",
+                )
+            return save_adapters(path, state, model, peft_model)
         return _save_pretrained(path, state, model, config)
 
 

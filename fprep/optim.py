@@ -19,6 +19,7 @@ pre-hook, the only hook that sees an optimizer fprep was never given.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fprep.errors import PrepareError
+from fprep.errors import ModelError, PrepareError
 from fprep.snapshot import clean_fqn
 
 OptimizerFQNs = tuple[tuple[str, ...], ...]
@@ -258,3 +259,30 @@ def refuse_stale_steps(replaced: ReplacedParams) -> None:
 def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if len(_PROCESS.names):
         _PROCESS.check(optimizer, None, f"{type(optimizer).__name__}.step()")
+
+
+def refuse_training_nothing(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """An optimizer all of whose parameters are frozen steps nothing: a ``ModelError`` before
+    any effect. A model with every parameter frozen and no optimizer gets a warning (it may be
+    prepared for evaluation, but more often a freeze went too far: a peft ``target_modules``
+    that names no layer of this model, an adapter made inactive)."""
+    for i, opt in enumerate(optimizers):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if params and not any(p.requires_grad for p in params):
+            raise ModelError(
+                f"optimizer {i} holds {len(params)} parameters and every one of them is frozen "
+                "(requires_grad=False): training would update nothing.",
+                subject=f"optimizer {i}",
+                hint="Unfreeze what you mean to train (for peft, check that target_modules "
+                "names layers of this model and that the adapter is active), or build the "
+                "optimizer from [p for p in model.parameters() if p.requires_grad].",
+            )
+    params = list(model.parameters())
+    if params and not any(p.requires_grad for p in params):
+        warnings.warn(
+            f"every parameter of the {type(model).__name__} being prepared is frozen "
+            "(requires_grad=False): backward will compute no gradient. Fine for evaluation; "
+            "to train, unfreeze what you mean to train (for peft, check target_modules).",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -56,6 +56,7 @@ from fprep.apply import (
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.fp8 import check_fp8_available
 from fprep.apply.load_weights import load_weights
+from fprep.apply.lora_init import lora_inits
 from fprep.apply.parallelize import parallelize
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
@@ -69,6 +70,7 @@ from fprep.optim import (
     optimizer_fqns,
     rebind_optimizer,
     refuse_stale_steps,
+    refuse_training_nothing,
 )
 from fprep.planning import plan
 from fprep.snapshot import PREPARED_ATTR
@@ -212,6 +214,8 @@ def prepare(
             if planned.param_handles is not None:  # nothing can initialize a module: a note in
                 planned.param_handles.materialize.check()  # the plan, refused by prepare
             check_fp8_available(planned)  # fp8 on CUDA needs a recent enough torchao
+            lora_inits(planned, model)  # LoRA factors on meta: an init fprep can compute
+            refuse_training_nothing(model, optimizers)  # an optimizer of frozen parameters
             # Sharding and meta-device materialization replace Parameter objects: record what
             # each optimizer holds by name now (refusing foreign parameters before any effect)
             # and point it at the new parameters afterwards, so that an optimizer built before

@@ -413,7 +413,14 @@ _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_h
 
 
 def own_tp_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
-    """The plan a model carries (transformers' convention), with patterns from the root."""
+    """The plan a model carries (transformers' convention), with patterns from the root. A peft
+    model carries its base model's, under the base model's FQN (``fprep.adapters`` maps the
+    patterns that reach wrapped layers onto their base layers and adapters)."""
+    inner = _peft_base(model)
+    if inner is not None:
+        at, base_model = inner
+        own = own_tp_plan(base_model)
+        return tuple((f"{at}.{k}", v) for k, v in own) if own is not None else None
     plan: dict[str, str] = {}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
@@ -427,6 +434,23 @@ def own_tp_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     if isinstance(own, Mapping):
         plan.update({str(k): str(v) for k, v in own.items()})
     return tuple(sorted(plan.items())) if plan else None
+
+
+def _peft_base(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(FQN, module)`` of the model a peft model wraps (``PeftModel``: ``base_model.model``;
+    a tuner such as ``LoraModel``: ``model``), by class name (fprep never imports peft)."""
+    names = {f"{k.__module__}.{k.__qualname__}" for k in type(model).__mro__}
+    for cls, at in (
+        ("peft.peft_model.PeftModel", "base_model.model"),
+        ("peft.tuners.tuners_utils.BaseTuner", "model"),
+    ):
+        if cls in names:
+            try:
+                inner = model.get_submodule(at)
+            except AttributeError:
+                return None
+            return at, inner
+    return None
 
 
 def head_counts(model: nn.Module) -> tuple[tuple[str, int], ...]:

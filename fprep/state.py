@@ -311,7 +311,9 @@ class MaterializePlan:
     ``param_init_fn``'s model's ``_init_weights``; ``reset_parameters``, the module's own (a
     plain model around Hugging Face sub-models, e.g. a backbone with a custom head).
     ``unavailable``: why nothing can initialize some module (the plan still stands and notes it;
-    ``prepare`` refuses it before any effect).
+    ``prepare`` refuses it before any effect). ``lora``: of ``visits``, the LoRA factors of a
+    peft model (``<layer>.lora_A.<adapter>``, ``<layer>.lora_B.<adapter>``), initialized as
+    peft initializes them whatever ``method`` says (``fprep.apply.lora_init``).
     """
 
     method: Literal["none", "param_init_fn", "hf_init_weights", "init_weights", "reset_parameters"]
@@ -323,6 +325,7 @@ class MaterializePlan:
     #: Of ``modules``, those whose parameters and buffers all come from ``PrepConfig.weights``:
     #: allocated, but not initialized (``load_weights`` fills them).
     loaded: tuple[str, ...] = ()
+    lora: tuple[str, ...] = ()
 
     @property
     def notes(self) -> tuple[str, ...]:

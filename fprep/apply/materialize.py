@@ -59,6 +59,7 @@ from fprep.apply.init_exchange import (
 from fprep.apply.init_jobs import Init, Scratch, job_for, reach_of, run_everywhere
 from fprep.apply.init_rows import init_by_rows, init_in_full
 from fprep.apply.init_schedule import schedule, shares_work
+from fprep.apply.lora_init import lora_inits
 from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
@@ -95,7 +96,15 @@ def _hf(owner: nn.Module) -> Init:
 
 
 def _inits(state: PrepState, model: nn.Module) -> list[Init]:
-    """What runs on each visit of the plan, in order."""
+    """What runs on each visit of the plan, in order: a peft model's LoRA factors as peft
+    initializes them, everything else by the plan's method."""
+    plan = need(state.param_handles, "init_param_handles", "materialize").materialize
+    lora = lora_inits(state, model)
+    by_method = _method_inits(state, model)
+    return [lora.get(v, init) for v, init in zip(plan.visits, by_method, strict=True)]
+
+
+def _method_inits(state: PrepState, model: nn.Module) -> list[Init]:
     plan = need(state.param_handles, "init_param_handles", "materialize").materialize
     fn = state.config.param_init_fn
     if plan.method == "hf_init_weights":

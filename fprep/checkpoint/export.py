@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,10 @@ def header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+#: Picks the tensors a file holds from the model's state dict, under the names to write.
+Select = Callable[[dict[str, Any]], dict[str, Any]]
+
+
 def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module) -> Path | str:
     """Write ``path`` (one ``.safetensors`` file, or an fsspec URL) with the full model; call it
     on every rank.
@@ -96,6 +101,14 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
     Returns ``path`` (a ``Path``; the URL, a ``str``, for a URL). Rank 0 writes; every rank
     takes part in the gathers.
     """
+    return export_selected(path, state, model, None)
+
+
+def export_selected(
+    path: str | os.PathLike[str], state: PrepState, model: nn.Module, select: Select | None
+) -> Path | str:
+    """``export_full`` of the tensors ``select`` picks from the model's state dict (every
+    rank must pick the same ones), under the names it gives them; None: all of them."""
     group = Group.of(state)
     target: Path | str = str(path) if is_url(path) else Path(path)
     error: BaseException | None = None
@@ -103,9 +116,13 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
     sink: Sink | None = None
     try:
         originals = buffer_dtypes(state)
-        for name, value in get_model_state_dict(model).items():
+        everything = get_model_state_dict(model)
+        picked = select(everything) if select is not None else everything
+        by_id = {id(v): k for k, v in everything.items()}
+        for name, value in picked.items():
+            original = originals.get(by_id.get(id(value), name))
             if isinstance(value, torch.Tensor):
-                values.append((name, value, originals.get(name, value.dtype)))
+                values.append((name, value, original if original is not None else value.dtype))
         head = header([(n, d, tuple(v.shape)) for n, v, d in values])
         if group.rank == 0:
             sink = open_sink(path)

@@ -10,8 +10,10 @@ parameters are kept whole on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import cast
 
+from fprep.adapters import AdapterLayout
 from fprep.config import WrapPolicy, wrap_class_names
 from fprep.errors import ConfigError, ModelError, PrepError
 from fprep.policies import repeated_block_classes, used_by_parent_forward
@@ -414,6 +416,36 @@ def _without_reset(tree: ModuleTree, visits: tuple[str, ...]) -> Unavailable | N
     )
 
 
+def _with_lora(state: PrepState, plan: MaterializePlan) -> MaterializePlan:
+    """A peft model's LoRA factors among the visits (initialized as peft does), and a refusal
+    for adapter parameters on the meta device that no LoRA factor holds (fprep cannot
+    initialize them as peft would: DoRA's magnitudes, LoRA on embeddings, other tuners)."""
+    layout = AdapterLayout.of(state.tree)
+    if layout is None or plan.method == "none":
+        return plan
+    lora = layout.lora_visits(plan.visits)
+    owned = set(lora)
+    stray = next(
+        (
+            p.fqn
+            for p in state.tree.params
+            if p.is_meta and layout.is_adapter(p.fqn) and parent_fqn(p.fqn) not in owned
+        ),
+        None,
+    )
+    unavailable = plan.unavailable
+    if stray is not None and unavailable is None:
+        unavailable = Unavailable(
+            message=f"adapter parameter {stray!r} is on the meta device, and fprep initializes "
+            "only LoRA's lora_A / lora_B factors as peft does (not DoRA magnitudes, LoRA on "
+            "embeddings or other peft methods).",
+            subject=stray,
+            hint="Build the peft model on a real device (get_peft_model after from_pretrained) "
+            "and prepare it without weights=, or use plain LoRA on Linear layers.",
+        )
+    return replace(plan, lora=lora, unavailable=unavailable)
+
+
 def _ancestors(fqn: str) -> list[str]:
     """``fqn`` and every module above it, up to the root."""
     out = [fqn]
@@ -465,6 +497,8 @@ def init_param_handles(state: PrepState) -> PrepState:
         check_unit_dtypes(ordered, mixed=core.precision.param_dtype is not None)
     return state.replace(
         param_handles=ParamHandleState(
-            units=ordered, ignored=tuple(kept), materialize=_materialize(state, ignored)
+            units=ordered,
+            ignored=tuple(kept),
+            materialize=_with_lora(state, _materialize(state, ignored)),
         )
     )

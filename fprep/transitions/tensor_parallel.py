@@ -12,6 +12,7 @@ With ``precision="fp8"`` the plan also says which style each float8 Linear it sh
 
 from __future__ import annotations
 
+from fprep.adapters import AdapterLayout
 from fprep.errors import ConfigError, ModelError
 from fprep.snapshot import ModuleTree, is_within, join_fqn
 from fprep.state import Fp8Plan, IgnoredState, PrepState, ProcessGroupState, TensorParallelState
@@ -197,6 +198,9 @@ def plan_tensor_parallel(
     _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
     modules = match_modules(tree, pairs)
+    adapters = AdapterLayout.of(tree)
+    if adapters is not None:  # peft: the styles of wrapped layers go to their parts
+        modules = adapters.tensor_parallel(tree, modules, sequence=cfg.sequence_parallel)
     if cfg.sequence_parallel:
         modules = plan_sequence_parallel(tree, modules)
     styles = {name for _, name in modules}

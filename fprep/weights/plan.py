@@ -19,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 
+from fprep.adapters import AdapterLayout
 from fprep.errors import CheckpointError
 from fprep.sharding import chunk_rows, shard_shape
 from fprep.snapshot import ModuleTree
@@ -102,8 +103,17 @@ def plan_weights(
 ) -> WeightsPlan:
     """Match ``weights`` against ``tree``; raise ``CheckpointError`` for anything that does not
     fit. ``shard``: ``(shard group size, this rank's index)`` when parameters are sharded on dim
-    0; ``whole``: parameters kept whole all the same (ignored ones)."""
-    by_key = {t.key: t for t in weights.tensors}
+    0; ``whole``: parameters kept whole all the same (ignored ones).
+
+    A peft model (``fprep.adapters``) reads its base model's checkpoint: each name is looked up
+    as the base model names it, and the adapters, which no base checkpoint holds, are left to
+    their initialization (peft's)."""
+    layout = AdapterLayout.of(tree)
+    key_of = layout.checkpoint_key if layout is not None else _same
+    adapter = layout.is_adapter if layout is not None else _never
+    by_model_name = {t.key: t for t in weights.tensors}
+    names = [n for p in tree.params for n in p.names] + [b.fqn for b in tree.buffers]
+    by_key = {n: by_model_name[key_of(n)] for n in names if key_of(n) in by_model_name}
     kept_whole = frozenset(whole)
     used: set[str] = set()
     reads: list[TensorRead] = []
@@ -114,11 +124,13 @@ def plan_weights(
     for p in tree.params:
         present = [n for n in p.names if n in by_key]
         if not present:
-            (allowed_missing if _matches(p.fqn, missing_keys) else missing).append(p.fqn)
+            allowed = adapter(p.fqn) or _matches(p.fqn, missing_keys)
+            allowed = allowed or _matches(key_of(p.fqn), missing_keys)
+            (allowed_missing if allowed else missing).append(p.fqn)
             continue
         for n in present:  # a tied parameter saved under several names: all must fit
             _check_fits(by_key[n], n, p.shape, p.dtype)
-        used.update(present)
+        used.update(by_key[n].key for n in present)
         provided.update(p.names)
         split = None if p.fqn in kept_whole or not p.shape else shard
         keep = not p.is_meta
@@ -129,15 +141,17 @@ def plan_weights(
         t = by_key.get(b.fqn) if b.persistent else None
         if t is None:
             if b.persistent:
-                (allowed_missing if _matches(b.fqn, missing_keys) else missing).append(b.fqn)
+                allowed = _matches(b.fqn, missing_keys) or _matches(key_of(b.fqn), missing_keys)
+                (allowed_missing if allowed else missing).append(b.fqn)
             continue
         _check_fits(t, b.fqn, b.shape, b.dtype)
-        used.add(b.fqn)
+        used.add(t.key)
         provided.add(b.fqn)
         reads.append(_read(t, b.fqn, "buffer", b.dtype, None, not b.is_meta))
     if missing:
+        shown = [key_of(n) for n in missing]
         raise CheckpointError(
-            f"{weights.source} has no tensor for the model's {_listing(missing)} "
+            f"{weights.source} has no tensor for the model's {_listing(shown)} "
             f"({len(missing)} missing).",
             subject=missing[0],
             hint="Check that the checkpoint was saved from this model class (names are the "
@@ -164,6 +178,14 @@ def plan_weights(
         same_as=tuple(same_as),
         notes=weights.notes,
     )
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _never(name: str) -> bool:
+    return False
 
 
 def _loaded_modules(tree: ModuleTree, provided: set[str]) -> tuple[str, ...]:
