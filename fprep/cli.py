@@ -210,7 +210,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
 DESCRIPTION = (
     "Plan a model for distributed and mixed-precision training without running it (fprep plan), "
     "show what this machine offers (fprep env), or train a small GPT end to end (fprep demo). "
-    "Errors are printed as one line, with exit status 2."
+    "Errors are printed as one line, with exit status 2 (an internal error too; --debug or "
+    "FPREP_DEBUG=1 adds its traceback)."
 )
 
 
@@ -218,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fprep", description=DESCRIPTION)
     parser.add_argument(
         "--version", action="version", version=f"fprep {fprep_version()}", help="print the version"
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback of an internal error (a bug in fprep), as FPREP_DEBUG=1 does",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,env,demo}")
 

@@ -122,6 +122,13 @@ def initial_state(
             subject="cfg",
             hint="Build one with fprep.PrepConfig(...) or PrepConfig.from_dict(...).",
         )
+    if topology is not None and not isinstance(topology, Topology):
+        raise TopologyError(
+            f"expected a fprep.Topology; got {type(topology).__qualname__}.",
+            subject="topology",
+            hint="Build one with fprep.Topology(world_size=..., rank=...), or leave it out to "
+            "read the launcher's environment (Topology.from_env()).",
+        )
     return PrepState.initial(
         tree,
         cfg,

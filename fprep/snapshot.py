@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from fprep.errors import ModelError
 
@@ -204,6 +205,16 @@ class ModuleInfo:
         return any(m in self.mro for m in _REPLICATED_MARKERS)
 
 
+def _refuse_uninitialized(module: nn.Module, fqn: str, kind: str) -> None:
+    raise ModelError(
+        f"{kind} {fqn!r} of {type(module).__qualname__} is not initialized yet (a lazy module: "
+        "its shape is known only after a first forward pass), so there is nothing to plan.",
+        subject=fqn,
+        hint="Run one forward pass on a sample batch (or use the non-lazy module with its "
+        "sizes) before fprep.plan / fprep.prepare.",
+    )
+
+
 def _refuse_cycle(module: nn.Module, fqn: str) -> None:
     raise ModelError(
         f"the module tree has a cycle: {fqn!r} is a {type(module).__qualname__} that is also "
@@ -337,6 +348,8 @@ class ModuleTree:
             for name, p in mod._parameters.items():
                 if p is None:
                     continue
+                if isinstance(p, UninitializedParameter):
+                    _refuse_uninitialized(mod, dot + name, "parameter")
                 param_names.append(name)
                 seen = params.get(id(p))
                 if seen is None:
@@ -349,6 +362,8 @@ class ModuleTree:
                 for name, b in mod._buffers.items():
                     if b is None:
                         continue
+                    if isinstance(b, UninitializedBuffer):
+                        _refuse_uninitialized(mod, dot + name, "buffer")
                     buffer_names.append(name)
                     buffers.append(
                         BufferInfo(

@@ -27,8 +27,9 @@ pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
 ]
 
-#: Scheduling slack on two shared cores, beyond the time the error is designed to take.
-MARGIN_S = 4.0
+#: Slack beyond the time an error is designed to take: a bound on a hang (spawn gives up at
+#: 90 s), not a measurement, so generous enough for two cores shared with other jobs.
+MARGIN_S = 30.0
 
 
 def _failed(out: Any, cls: str = "CollectiveError") -> dict[str, Any]:
@@ -91,7 +92,7 @@ def test_launch_without_rank_0_names_its_store() -> None:
 def test_plans_that_differ_fail_alike_on_every_rank_before_any_effect(tmp_path: Path) -> None:
     """One launch, three prepares: rank 1's plan fails alone; then every plan fails alike;
     then all succeed (a failed agreement leaves the launch usable), and save, load and unwrap
-    on every rank pass the guards without waiting."""
+    on every rank pass the guards without waiting for a timeout (counted, not timed)."""
     results = W.spawn(W.plans_differ_then_alike_then_succeed, 2, str(tmp_path))
     assert all(isinstance(results[r], dict) for r in (0, 1)), results
     differ = [_failed(results[r]["differ"], "ModelError") for r in (0, 1)]
@@ -107,8 +108,12 @@ def test_plans_that_differ_fail_alike_on_every_rank_before_any_effect(tmp_path: 
 
     for r in (0, 1):
         assert results[r]["group_created"]
-        assert results[r]["ok"]["error"] is None, results[r]["ok"]
-        assert results[r]["ok"]["seconds"] < W.TIMEOUT_S
+        ok = results[r]["ok"]
+        assert ok["error"] is None, ok
+        # prepare's plan agreement and the arrivals of save, load and unwrap: every wait met
+        # every rank, none ran out, and no probe for a lost rank ran
+        assert ok["slow_paths"]["waits"] >= 4, ok
+        assert ok["slow_paths"]["ran_out"] == ok["slow_paths"]["probes"] == 0, ok
 
 
 @pytest.mark.parametrize("victim", [1, 0])

@@ -24,8 +24,9 @@ pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
 ]
 
-#: Scheduling slack on two shared cores.
-MARGIN_S = 10.0
+#: Slack on two shared cores: the bounds stop a hang (these cases took 120 s, or had no end),
+#: they do not measure speed.
+MARGIN_S = 30.0
 
 
 def _failed(out: Any) -> dict[str, Any]:

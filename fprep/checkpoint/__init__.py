@@ -10,7 +10,8 @@
 * ``export_full``: one safetensors file with the full model, streamed one tensor at a time.
 
 Here: ``writing`` (save), ``reading`` (load), ``export``, ``states`` (flat tensor dicts),
-``validate``, ``optim_fit``, ``rng``, ``collective``, ``info``. Three rooms below:
+``validate``, ``optim_fit``, ``rng``, ``collective``, ``same_path`` (every rank names one
+place), ``info``. Three rooms below:
 ``format`` (raw tensor bytes and DCP metadata as JSON, the manifest, nested state as JSON, file
 digests), ``stores`` (a local root or an fsspec URL: step directories, ``latest``, publishing,
 the lock) and ``asynchronous`` (staging, the background thread, verification before publish).

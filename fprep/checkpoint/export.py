@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.format.files import os_failure
 from fprep.checkpoint.format.storage import plain, progress
+from fprep.checkpoint.same_path import agree_on_path
 from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.stores.backend import is_url
 from fprep.checkpoint.stores.sink import Sink, open_sink
@@ -110,7 +111,17 @@ def export_selected(
     """``export_full`` of the tensors ``select`` picks from the model's state dict (every
     rank must pick the same ones), under the names it gives them; None: all of them."""
     group = Group.of(state)
-    target: Path | str = str(path) if is_url(path) else Path(path)
+    target = agree_on_path(group, "fprep.export_full", path, _target)  # one file, every rank
+    return _write_full(target, group, state, model)
+
+
+def _target(path: str | os.PathLike[str]) -> Path | str:
+    """What ``export_full`` returns for ``path``."""
+    return str(path) if is_url(path) else Path(path)
+
+
+def _write_full(target: Path | str, group: Group, state: PrepState, model: nn.Module) -> Path | str:
+    """``export_full`` once the ranks agree on ``target``."""
     error: BaseException | None = None
     values: list[tuple[str, torch.Tensor, torch.dtype]] = []
     sink: Sink | None = None
@@ -125,7 +136,7 @@ def export_selected(
                 values.append((name, value, original if original is not None else value.dtype))
         head = header([(n, d, tuple(v.shape)) for n, v, d in values])
         if group.rank == 0:
-            sink = open_sink(path)
+            sink = open_sink(target)
             sink.write(head)
     except Exception as e:
         error = _failed(e, target)
@@ -295,7 +306,7 @@ def save_pretrained(
     the weights are written first and the configuration last, each file whole or not at all.
     """
     group = Group.of(state)
-    directory: Path | str = str(path).rstrip("/") if is_url(path) else Path(path)
+    directory = agree_on_path(group, "fprep.save_pretrained", path, _directory)
     error: BaseException | None = None
     files: list[tuple[str, bytes]] = []
     try:
@@ -305,7 +316,7 @@ def save_pretrained(
     except Exception as e:
         error = _failed(e, directory)
     group.agree(error)
-    export_full(_join(directory, WEIGHTS_NAME), state, model)
+    _write_full(_join(directory, WEIGHTS_NAME), group, state, model)
     error = None
     if group.rank == 0:
         for name, data in files:
@@ -322,6 +333,11 @@ def save_pretrained(
                 _discard(sink)
     group.agree(error)
     return directory
+
+
+def _directory(path: str | os.PathLike[str]) -> Path | str:
+    """The directory ``save_pretrained`` writes into."""
+    return str(path).rstrip("/") if is_url(path) else Path(path)
 
 
 def _join(directory: Path | str, name: str) -> Path | str:

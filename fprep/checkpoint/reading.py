@@ -3,8 +3,8 @@
 Phases (every rank, collectives in the same order), each ending in agreement so that a failure
 on one rank is raised on all:
 
-1. rank 0 resolves the step directory (``latest`` with the manifest digest it pins, or the
-   newest ``step-*``);
+1. every rank's path must lead to one place (``same_path``); rank 0 resolves the step
+   directory (``latest`` with the manifest digest it pins, or the newest ``step-*``);
 2. every rank checks ``manifest.json``'s seal (and the pinned digest) and parses it (strict
    JSON), checks ``metadata.json`` against the size and digest the manifest records, parses it,
    and compares keys, shapes and dtypes with the live model and optimizers; each optimizer
@@ -49,6 +49,7 @@ from fprep.checkpoint.format.encoding import decode, encode, tensor_keys
 from fprep.checkpoint.format.files import parse_json, read_failure
 from fprep.checkpoint.format.manifest import Manifest, parse
 from fprep.checkpoint.info import LoadedInfo
+from fprep.checkpoint.same_path import agree_on_path
 from fprep.checkpoint.states import (
     MODEL,
     class_name,
@@ -448,7 +449,7 @@ def load(
     error: BaseException | None = None
     opts: tuple[torch.optim.Optimizer, ...] = ()
     found: tuple[str, str | None] | None = None
-    store = open_store(path)  # the same on every rank: a URL without fsspec fails on each
+    store = agree_on_path(group, "fprep.load", path, open_store)  # one place on every rank
     try:
         for flag, value in (("strict", strict), ("verify_hashes", verify_hashes)):
             if not isinstance(value, bool):

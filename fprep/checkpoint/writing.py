@@ -2,7 +2,8 @@
 
 Order of work (every rank, collectives in the same order):
 
-1. check the arguments and turn every non-tensor value into JSON data (before any effect);
+1. check that every rank's path leads to one place (``same_path``: one small all-gather), check
+   the arguments and turn every non-tensor value into JSON data (before any effect);
 2. rank 0 takes the root's lock (``lock.py``; held until the end), removes stale ``.tmp-*``
    leftovers and creates a fresh ``.tmp-*`` directory; all ranks agree that nothing failed;
 3. ``torch.distributed.checkpoint.save`` of the tensors through ``SafeWriter`` (raw bytes,
@@ -40,6 +41,7 @@ from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.format.encoding import encode
 from fprep.checkpoint.format.files import FileRecord
 from fprep.checkpoint.format.manifest import Manifest, RankRecord
+from fprep.checkpoint.same_path import agree_on_path
 from fprep.checkpoint.states import model_tensors, split_optimizers
 from fprep.checkpoint.stores.backend import Releasable, Store, open_store
 from fprep.errors import CheckpointError, PrepError
@@ -128,8 +130,8 @@ def collect(
     ``write_and_publish``; on failure it is released here.
     """
     step, keep_last, scheduler, loader = args.step, args.keep_last, args.scheduler, args.loader
-    root = open_store(path)  # the same on every rank: a URL without fsspec fails on each
     group = Group.of(state)
+    root = agree_on_path(group, "fprep.save", path, open_store)  # one place on every rank
     core = need(state.core, "init_core", "fprep.save")
     sd_state = need(state.state_dict, "init_state_dict", "fprep.save")
     device = need(state.device, "init_device", "fprep.save")
