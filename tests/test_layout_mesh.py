@@ -59,9 +59,7 @@ def torch_all_groups(mesh: torch.Tensor, names: tuple[str, ...]) -> tuple[tuple[
 def test_every_group_equals_torch_device_mesh(layout: MeshLayout) -> None:
     with fake_world(layout.world_size, layout.rank):
         mesh = torch_mesh(layout)
-        assert tuple(mesh.get_coordinate() or ()) == tuple(
-            layout.coordinate(n) for n in DIM_ORDER
-        )
+        assert tuple(mesh.get_coordinate() or ()) == tuple(layout.coordinate(n) for n in DIM_ORDER)
         for names in SUBSETS[1:]:
             expected = tuple(mesh[names].mesh.flatten().tolist())
             assert layout.group(*names) == expected, names
@@ -138,7 +136,13 @@ def test_the_record_is_a_frozen_hashable_value() -> None:
         ({"world_size": 4, "rank": 0, "dp_shard": 2, "ranks": (0,)}, TopologyError, "ranks"),
         ({"world_size": 0, "rank": 0}, TopologyError, "world_size"),
         (
-            {"world_size": 4, "rank": 0, "dp_replicate": 2, "dp_shard": 2, "dp_mesh_names": ("dp",)},
+            {
+                "world_size": 4,
+                "rank": 0,
+                "dp_replicate": 2,
+                "dp_shard": 2,
+                "dp_mesh_names": ("dp",),
+            },
             ConfigError,
             "dp_mesh_names",
         ),
@@ -215,7 +219,9 @@ def test_the_fields_equal_the_old_arithmetic_for_every_drawn_plan(
     names = ("replicate", "shard") if cfg.strategy == "hsdp" else ("dp",)
     assert pg.mesh_dim_names == names
     assert pg.mesh.tp == cfg.tp and pg.mesh.size == topology.world_size
-    assert pg.mesh.tp_group == tuple(range(topology.rank // tp * tp, (topology.rank // tp + 1) * tp))
+    assert pg.mesh.tp_group == tuple(
+        range(topology.rank // tp * tp, (topology.rank // tp + 1) * tp)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -258,5 +264,3 @@ def test_a_mesh_naming_the_wrong_number_of_dimensions_is_refused() -> None:
     state = PrepState.initial(TREE, PrepConfig(strategy="fsdp"), topology, mesh=spec)
     error = run_pure(init_process_group, state).failure()
     assert isinstance(error, TopologyError) and error.subject == "mesh"
-
-

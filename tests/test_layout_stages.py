@@ -53,9 +53,7 @@ def test_more_stages_than_weighted_layers_is_refused() -> None:
     assert caught.value.subject == "num_layers"
 
 
-@given(
-    st.sampled_from(SCHEDULES), st.integers(1, 8), st.integers(1, 4), st.data()
-)
+@given(st.sampled_from(SCHEDULES), st.integers(1, 8), st.integers(1, 4), st.data())
 def test_stages_per_rank_are_torchs(
     schedule: str, pp: int, per_rank: int, data: st.DataObject
 ) -> None:

@@ -138,7 +138,8 @@ class MeshLayout:
 
     def coordinate(self, name: str) -> int:
         """This rank's index along the dimension ``name``."""
-        return (self.flat_index // self._stride(self._check(name))) % getattr(self, name)
+        size: int = getattr(self, self._check(name))
+        return (self.flat_index // self._stride(name)) % size
 
     def global_rank(self, flat: int) -> int:
         """The global rank at row-major position ``flat``."""

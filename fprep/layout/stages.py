@@ -118,7 +118,9 @@ def num_stages(pp: int, schedule: str, stages_per_rank: int = 2) -> int:
     return pp * _stages_per_rank(schedule, stages_per_rank)
 
 
-def stages_of_rank(pp_rank: int, pp: int, schedule: str, stages_per_rank: int = 2) -> tuple[int, ...]:
+def stages_of_rank(
+    pp_rank: int, pp: int, schedule: str, stages_per_rank: int = 2
+) -> tuple[int, ...]:
     """The stage indices pipeline rank ``pp_rank`` of ``pp`` runs under ``schedule``."""
     _check_positive("pp", pp)
     if not 0 <= pp_rank < pp:
