@@ -264,3 +264,34 @@ def test_a_mesh_naming_the_wrong_number_of_dimensions_is_refused() -> None:
     state = PrepState.initial(TREE, PrepConfig(strategy="fsdp"), topology, mesh=spec)
     error = run_pure(init_process_group, state).failure()
     assert isinstance(error, TopologyError) and error.subject == "mesh"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from((2, 4, 6, 8, 12)), st.booleans(), st.data())
+def test_the_tensor_parallel_state_reads_the_same_record(
+    world: int, hybrid: bool, data: st.DataObject
+) -> None:
+    """TensorParallelState's group and mesh are the record's, equal to the arithmetic they
+    replaced (tp innermost: this rank's tp group is its run of ``tp`` neighbours)."""
+    tp = data.draw(st.sampled_from([t for t in range(2, world + 1) if world % t == 0]))
+    dp = world // tp
+    shard = data.draw(st.sampled_from([d for d in range(1, dp + 1) if dp % d == 0]))
+    rank = data.draw(st.integers(0, world - 1))
+    cfg = PrepConfig(
+        strategy="hsdp" if hybrid else "fsdp",
+        hsdp_shard_size=shard if hybrid else None,
+        tp=tp,
+        tp_plan={"0": "colwise", "1": "rowwise"},
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.Linear(24, 24))
+    topology = Topology(world_size=world, rank=rank, local_world_size=world)
+    state = fprep.plan(model, cfg, topology).unwrap()
+    tps = state.extension.tensor_parallel  # type: ignore[union-attr]
+    pg = state.process_group
+    assert tps is not None and pg is not None
+    start = rank - rank % tp
+    assert (tps.size, tps.rank, tps.group) == (tp, rank % tp, tuple(range(start, start + tp)))
+    dp_shape = (dp // shard, shard) if hybrid else (dp,)
+    names = ("replicate", "shard") if hybrid else ("dp",)
+    assert (tps.mesh_shape, tps.mesh_dim_names) == ((*dp_shape, tp), (*names, "tp"))
+    assert tps.group == pg.mesh.tp_group and pg.mesh_shape == dp_shape
