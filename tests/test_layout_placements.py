@@ -50,3 +50,31 @@ def test_anything_else_is_refused_naming_the_field(text: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse(text)
     assert caught.value.subject == "placements" and repr(text) in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world", "shard", "kinds"),
+    [
+        ("fsdp", 4, None, {Shard, StridedShard}),
+        ("hsdp", 8, 2, {Shard, StridedShard, Replicate}),
+        ("fsdp", 2, None, {Shard}),
+    ],
+)
+def test_every_placement_a_tp_plan_stores_parses_back_to_itself(
+    strategy: str, world: int, shard: int | None, kinds: set[type]
+) -> None:
+    """What ShardSpec.placements holds today reads as typed values, one per mesh dim."""
+    import fprep
+    from fprep.testing.models import llama_tiny
+
+    cfg = fprep.PrepConfig(strategy=strategy, tp=2, hsdp_shard_size=shard)
+    topology = fprep.Topology(world_size=world, rank=world - 1, local_world_size=world)
+    state = fprep.plan(llama_tiny("meta"), cfg, topology).unwrap()
+    specs = state.param_handles.specs  # type: ignore[union-attr]
+    seen = set()
+    for spec in specs:
+        typed = parse_all(spec.placements)
+        assert tuple(map(str, typed)) == spec.placements
+        assert len(typed) == len(spec.mesh_dims)  # none for a whole tensor (tp = world)
+        seen.update(type(p) for p in typed)
+    assert kinds <= seen
