@@ -27,6 +27,9 @@ def test_four_stages_of_32_layers_as_torchtitan_splits_them() -> None:
     assert layer_counts == [8, 9, 8, 7]
     assert split[0][0] == "tok_embeddings" and split[-1][-2:] == ("norm", "output")
     assert split[1] == tuple(f"layers.{i}" for i in range(8, 17))
+    # 27 layers on 4 stages: 29 weighted layers, 7 each and the one left over to stage 0.
+    assert [len(stage) for stage in default_split(4, 27)] == [8, 7, 7, 8]
+    assert default_split(4, 27)[3][:2] == ("layers.21", "layers.22")
 
 
 @given(st.integers(1, 80), st.data())
