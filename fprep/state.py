@@ -17,6 +17,7 @@ from typing import Literal, TypeVar
 from fprep.config import PrepConfig
 from fprep.errors import ModelError
 from fprep.errors import need as need  # defined beside PlanOrderError, used with sub-states
+from fprep.layout.mesh import MeshLayout
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
 from fprep.weights.records import WeightsPlan, WeightsSnapshot
@@ -80,10 +81,15 @@ class PlanInputs:
 # -- one sub-state per transition ----------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ProcessGroupState:
-    """Who shards with whom. For 1-D worlds the shard group is the data-parallel group."""
+    """Who shards with whom. For 1-D worlds the shard group is the data-parallel group.
+
+    ``mesh`` is the whole N-D mesh as one record; the other fields are views of it kept for the
+    readers that predate it (the data-parallel mesh FSDP2 / DDP receive, and its groups).
+    """
 
     world_size: int
     rank: int
+    mesh: MeshLayout
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...]
     coordinate: tuple[int, ...]

@@ -103,3 +103,27 @@ def test_the_check_sees_a_lazy_cycle_and_ignores_type_only_imports(tmp_path: Pat
         "    import x.z\n"
     )
     assert _imports(sample, {"x.y", "x.z"}) == {"x.z"}
+
+
+def test_the_layout_package_is_pure() -> None:
+    """fprep.layout sits at the bottom, under the transitions: it imports the standard library,
+    fprep.errors and itself, never torch (so no process group and no tensor data), also lazily."""
+    import sys
+
+    allowed = ("fprep.errors", "fprep.layout")
+    for path in sorted((ROOT / "layout").glob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+        outside = {
+            n
+            for n in names
+            if n.split(".")[0] not in sys.stdlib_module_names
+            and not any(n == a or n.startswith(f"{a}.") for a in allowed)
+        }
+        assert outside == set(), f"{path.name} imports {sorted(outside)}"
+    graph = {name: _imports(path, set(_modules())) for name, path in _modules().items()}
+    assert "fprep.layout.mesh" in graph["fprep.transitions.process_group"]

@@ -1,18 +1,24 @@
-"""init_process_group: who shards with whom, computed from the topology (no process group).
+"""init_process_group: the N-D mesh as one record, and who shards with whom (no process group).
 
-For a 1-D world every rank shards with every other. For hybrid sharding (``hsdp``) the world is a
-``(replicate, shard)`` mesh, row-major like ``init_device_mesh``: rank ``r`` shards with the ranks
-of its row (``r // shard`` — one node by default) and replicates with those of its column.
+The transition checks the topology, the config and any mesh or process group the user passed,
+then describes the mesh once as a ``MeshLayout`` (fprep.layout.mesh): the named dimensions
+``(dp_replicate, dp_shard, tp)``, row-major like ``init_device_mesh``. Every field of
+``ProcessGroupState`` is read from that record. For a 1-D world every rank shards with every
+other. For hybrid sharding (``hsdp``) rank ``r`` shards with the ranks of its row (one node by
+default) and replicates with those of its column. Under tensor parallelism the tp dimension is
+innermost, so each tp group is a run of neighbouring ranks and the data-parallel peers of a rank
+are those with its tp coordinate.
 """
 
 from __future__ import annotations
 
 from fprep.errors import ConfigError, TopologyError
+from fprep.layout.mesh import DP_MESH_NAMES, HSDP_MESH_NAMES, MeshLayout
 from fprep.state import MeshSpec, PrepState, ProcessGroupState
 from fprep.transitions._base import transition
 
-HSDP_DIM_NAMES = ("replicate", "shard")
-DP_DIM_NAMES = ("dp",)
+HSDP_DIM_NAMES = HSDP_MESH_NAMES
+DP_DIM_NAMES = DP_MESH_NAMES
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:
@@ -31,15 +37,37 @@ def hybrid_groups(
     world_size: int, shard_size: int
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """All shard groups (rows) and replicate groups (columns) of a row-major 2-D mesh."""
-    rows = world_size // shard_size
-    shard_groups = tuple(tuple(range(r * shard_size, (r + 1) * shard_size)) for r in range(rows))
-    replicate_groups = tuple(tuple(range(s, world_size, shard_size)) for s in range(shard_size))
-    return shard_groups, replicate_groups
+    mesh = MeshLayout(
+        world_size=world_size,
+        rank=0,
+        dp_replicate=world_size // shard_size,
+        dp_shard=shard_size,
+        dp_mesh_names=HSDP_MESH_NAMES,
+    )
+    return mesh.all_groups("dp_shard"), mesh.all_groups("dp_replicate")
+
+
+def _state_of(mesh: MeshLayout) -> ProcessGroupState:
+    """The process-group state read from the mesh record."""
+    pre, post = gradient_divide_factors(mesh.dp_size)
+    return ProcessGroupState(
+        world_size=mesh.world_size,
+        rank=mesh.rank,
+        mesh=mesh,
+        mesh_shape=mesh.dp_mesh_shape,
+        mesh_dim_names=mesh.dp_mesh_names,
+        coordinate=mesh.dp_coordinate,
+        shard_group=mesh.shard_group,
+        replicate_group=mesh.same_shard_ranks,
+        gradient_predivide_factor=pre,
+        gradient_postdivide_factor=post,
+    )
 
 
 def _from_mesh(
     mesh: MeshSpec, rank: int, world: int, strategy: str, shard_size: int | None = None
-) -> ProcessGroupState:
+) -> MeshLayout:
+    """The record of a mesh the user passed: its own ranks and names, checked against the world."""
     hybrid = strategy == "hsdp"
     want = 2 if hybrid else 1
     if mesh.ndim != want:
@@ -83,37 +111,31 @@ def _from_mesh(
             subject="hsdp_shard_size",
             hint="Leave hsdp_shard_size unset when passing a mesh.",
         )
-    flat = ranks.index(rank)
+    if mesh.dim_names is not None and len(mesh.dim_names) != mesh.ndim:
+        raise TopologyError(
+            f"the mesh of shape {mesh.shape} names {len(mesh.dim_names)} dimensions "
+            f"{mesh.dim_names}.",
+            subject="mesh",
+            hint="Give one name per mesh dimension, as DeviceMesh.mesh_dim_names does.",
+        )
     names = mesh.dim_names or (HSDP_DIM_NAMES if hybrid else DP_DIM_NAMES)
-    if hybrid:
-        rows, cols = mesh.shape
-        r, c = divmod(flat, cols)
-        shard_group = ranks[r * cols : (r + 1) * cols]
-        replicate_group = tuple(ranks[i * cols + c] for i in range(rows))
-        coordinate: tuple[int, ...] = (r, c)
-    else:
-        shard_group, replicate_group, coordinate = ranks, (rank,), (flat,)
-    pre, post = gradient_divide_factors(mesh.size)
-    return ProcessGroupState(
+    return MeshLayout(
         world_size=world,
         rank=rank,
-        mesh_shape=mesh.shape,
-        mesh_dim_names=names,
-        coordinate=coordinate,
-        shard_group=tuple(shard_group),
-        replicate_group=tuple(replicate_group),
-        gradient_predivide_factor=pre,
-        gradient_postdivide_factor=post,
+        dp_replicate=mesh.shape[0] if hybrid else 1,
+        dp_shard=mesh.shape[-1],
+        ranks=ranks,
+        dp_mesh_names=names,
     )
 
 
 TP_DIM_NAME = "tp"
 
 
-def _beside_tp(state: PrepState) -> ProcessGroupState:
-    """The data-parallel part of an N-D mesh ``(*dp dims, tp)``: this rank's dp ranks are those
-    with its tp coordinate (stride tp), so each tp group stays inside a node when tp divides the
-    processes per node."""
+def _beside_tp(state: PrepState) -> MeshLayout:
+    """The N-D mesh ``(dp_replicate, dp_shard, tp)`` over the world, tp innermost: this rank's
+    dp ranks are those with its tp coordinate, so each tp group stays inside a node when tp
+    divides the processes per node."""
     topo, cfg = state.topology, state.config
     world, rank, tp = topo.world_size, topo.rank, cfg.tp
     if state.inputs.mesh is not None or state.inputs.process_group is not None:
@@ -150,18 +172,15 @@ def _beside_tp(state: PrepState) -> ProcessGroupState:
                 subject="hsdp_shard_size",
                 hint="Choose hsdp_shard_size as a divisor of world_size / tp.",
             )
-        dp_shape: tuple[int, ...] = (dp // shard, shard)
-        names: tuple[str, ...] = HSDP_DIM_NAMES
-    else:
-        dp_shape, names = (dp,), DP_DIM_NAMES
-    spec = MeshSpec(
-        shape=dp_shape,
-        dim_names=names,
-        ranks=tuple(range(rank % tp, world, tp)),
-        root_shape=(*dp_shape, tp),
-        root_dim_names=(*names, TP_DIM_NAME),
-    )
-    return _from_mesh(spec, rank, world, cfg.strategy, cfg.hsdp_shard_size)
+        return MeshLayout(
+            world_size=world,
+            rank=rank,
+            dp_replicate=dp // shard,
+            dp_shard=shard,
+            tp=tp,
+            dp_mesh_names=HSDP_DIM_NAMES,
+        )
+    return MeshLayout(world_size=world, rank=rank, dp_shard=dp, tp=tp)
 
 
 @transition
@@ -184,11 +203,10 @@ def init_process_group(state: PrepState) -> PrepState:
             hint="Launch the same number of processes on every node.",
         )
     if cfg.tp > 1:
-        return state.replace(process_group=_beside_tp(state))
+        return state.replace(process_group=_state_of(_beside_tp(state)))
     if mesh is not None:
-        return state.replace(
-            process_group=_from_mesh(mesh, rank, world, cfg.strategy, cfg.hsdp_shard_size)
-        )
+        layout = _from_mesh(mesh, rank, world, cfg.strategy, cfg.hsdp_shard_size)
+        return state.replace(process_group=_state_of(layout))
     if group is not None:
         if hybrid:
             raise TopologyError(
@@ -212,20 +230,8 @@ def init_process_group(state: PrepState) -> PrepState:
                 hint="Pass this rank's own group: distinct global ranks below the world size, "
                 "with ranks[group rank] == this rank.",
             )
-        pre, post = gradient_divide_factors(group.size)
-        return state.replace(
-            process_group=ProcessGroupState(
-                world_size=world,
-                rank=rank,
-                mesh_shape=(group.size,),
-                mesh_dim_names=DP_DIM_NAMES,
-                coordinate=(group.rank,),
-                shard_group=ranks,
-                replicate_group=(rank,),
-                gradient_predivide_factor=pre,
-                gradient_postdivide_factor=post,
-            )
-        )
+        layout = MeshLayout(world_size=world, rank=rank, dp_shard=group.size, ranks=ranks)
+        return state.replace(process_group=_state_of(layout))
     if hybrid:
         shard = cfg.hsdp_shard_size or topo.local_world_size
         if world % shard != 0:
@@ -236,7 +242,13 @@ def init_process_group(state: PrepState) -> PrepState:
                 hint="Choose hsdp_shard_size as a divisor of the world size (by default it is "
                 "the number of processes per node).",
             )
-        spec = MeshSpec(shape=(world // shard, shard), dim_names=HSDP_DIM_NAMES)
+        layout = MeshLayout(
+            world_size=world,
+            rank=rank,
+            dp_replicate=world // shard,
+            dp_shard=shard,
+            dp_mesh_names=HSDP_DIM_NAMES,
+        )
     else:
-        spec = MeshSpec(shape=(world,), dim_names=DP_DIM_NAMES)
-    return state.replace(process_group=_from_mesh(spec, rank, world, cfg.strategy))
+        layout = MeshLayout(world_size=world, rank=rank, dp_shard=world)
+    return state.replace(process_group=_state_of(layout))

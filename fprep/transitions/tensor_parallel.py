@@ -222,14 +222,13 @@ def plan_tensor_parallel(
             f"tp={tp} does not divide the {topo.local_world_size} processes per node: tensor-"
             "parallel groups cross nodes (their all-reduces run over the network)."
         )
-    rank = topo.rank
-    start = rank - rank % tp
+    mesh = pg.mesh  # init_process_group laid out (dp..., tp) with this tp
     return TensorParallelState(
-        size=tp,
-        rank=rank % tp,
-        group=tuple(range(start, start + tp)),
-        mesh_shape=(*pg.mesh_shape, tp),
-        mesh_dim_names=(*pg.mesh_dim_names, "tp"),
+        size=mesh.tp,
+        rank=mesh.coordinate("tp"),
+        group=mesh.tp_group,
+        mesh_shape=(*mesh.dp_mesh_shape, mesh.tp),
+        mesh_dim_names=(*mesh.dp_mesh_names, "tp"),
         modules=modules,
         params=params,
         plan_source=source,  # type: ignore[arg-type]
