@@ -112,7 +112,7 @@ def export_selected(
     rank must pick the same ones), under the names it gives them; None: all of them."""
     group = Group.of(state)
     target = agree_on_path(group, "fprep.export_full", path, _target)  # one file, every rank
-    return _write_full(target, group, state, model)
+    return _write_full(target, group, state, model, select)
 
 
 def _target(path: str | os.PathLike[str]) -> Path | str:
@@ -120,8 +120,10 @@ def _target(path: str | os.PathLike[str]) -> Path | str:
     return str(path) if is_url(path) else Path(path)
 
 
-def _write_full(target: Path | str, group: Group, state: PrepState, model: nn.Module) -> Path | str:
-    """``export_full`` once the ranks agree on ``target``."""
+def _write_full(
+    target: Path | str, group: Group, state: PrepState, model: nn.Module, select: Select | None
+) -> Path | str:
+    """``export_selected`` once the ranks agree on ``target``."""
     error: BaseException | None = None
     values: list[tuple[str, torch.Tensor, torch.dtype]] = []
     sink: Sink | None = None
@@ -316,7 +318,7 @@ def save_pretrained(
     except Exception as e:
         error = _failed(e, directory)
     group.agree(error)
-    _write_full(_join(directory, WEIGHTS_NAME), group, state, model)
+    _write_full(_join(directory, WEIGHTS_NAME), group, state, model, None)
     error = None
     if group.rank == 0:
         for name, data in files:
