@@ -29,7 +29,7 @@ from fprep.errors import ConfigError
 from fprep.planning import plan
 from fprep.policies import repeated_block_classes
 from fprep.snapshot import ModuleTree
-from fprep.topology import Topology, detect_device_type
+from fprep.topology import LAUNCHER_VARIABLES, Topology, detect_device_type
 
 
 def _check_nodes(args: argparse.Namespace) -> None:
@@ -162,22 +162,6 @@ def launch_warnings(env: Mapping[str, str]) -> list[str]:
 def _cmd_env(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    launcher_vars = (
-        "WORLD_SIZE",
-        "RANK",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "PMI_SIZE",
-        "PMI_RANK",
-        "MPI_LOCALRANKID",
-        "MPI_LOCALNRANKS",
-    )
     topology = Topology.from_env()
     warnings = launch_warnings(os.environ)
     info = {
@@ -192,7 +176,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
                 ("mpi", dist.is_mpi_available),
             )
         },
-        "launcher": {k: os.environ[k] for k in launcher_vars if k in os.environ},
+        "launcher": {k: os.environ[k] for k in LAUNCHER_VARIABLES if k in os.environ},
         "topology": dataclasses.asdict(topology),
         "warnings": warnings,
     }

@@ -35,6 +35,13 @@ _LAUNCHER_VARS: tuple[tuple[str, tuple[str, str, str, str]], ...] = (
     ("mpi", ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
 )
 
+#: Every variable a launcher sets that fprep reads: the ones above and the rendezvous address.
+LAUNCHER_VARIABLES: tuple[str, ...] = (
+    *(name for _, names in _LAUNCHER_VARS for name in names),
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
 #: The process-group backend each device type uses by default.
 DEFAULT_BACKEND: Mapping[str, str] = {
     "cpu": "gloo",

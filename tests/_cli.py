@@ -8,6 +8,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from fprep.topology import LAUNCHER_VARIABLES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,24 +34,7 @@ def run_fprep(
 
 
 #: What a launcher sets; a test's own environment must not leak into a child's launch.
-LAUNCHER_VARS = frozenset(
-    {
-        "WORLD_SIZE",
-        "RANK",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "PMI_SIZE",
-        "PMI_RANK",
-        "MPI_LOCALRANKID",
-        "MPI_LOCALNRANKS",
-    }
-)
+LAUNCHER_VARS = frozenset(LAUNCHER_VARIABLES)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
