@@ -17,7 +17,7 @@ from typing import Literal, TypeVar
 from fprep.config import PrepConfig
 from fprep.errors import ModelError
 from fprep.errors import need as need  # defined beside PlanOrderError, used with sub-states
-from fprep.layout.mesh import MeshLayout
+from fprep.layout.mesh import MeshPlan
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
 from fprep.weights.records import WeightsPlan, WeightsSnapshot
@@ -89,7 +89,7 @@ class ProcessGroupState:
 
     world_size: int
     rank: int
-    mesh: MeshLayout
+    mesh: MeshPlan
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...]
     coordinate: tuple[int, ...]

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import fprep
 from fprep import ConfigError, MeshSpec, PrepConfig, PrepState, Topology, TopologyError
-from fprep.layout.mesh import DIM_ORDER, MeshLayout
+from fprep.layout.mesh import DIM_ORDER, MeshPlan
 from fprep.state import ProcessGroupState
 from fprep.testing import strategies as fst
 from fprep.testing.distributed import fake_world
@@ -29,7 +29,7 @@ SUBSETS = tuple(
 
 
 @st.composite
-def layouts(draw: st.DrawFn, max_world: int = 24) -> MeshLayout:
+def layouts(draw: st.DrawFn, max_world: int = 24) -> MeshPlan:
     """A record with random sizes (product at most ``max_world``), rank and rank order."""
     sizes: dict[str, int] = {}
     for name in DIM_ORDER:
@@ -37,10 +37,10 @@ def layouts(draw: st.DrawFn, max_world: int = 24) -> MeshLayout:
         sizes[name] = draw(st.integers(1, max(1, min(4, room))))
     world = math.prod(sizes.values())
     ranks = draw(st.none() | st.permutations(range(world)).map(tuple))
-    return MeshLayout(world_size=world, rank=draw(st.integers(0, world - 1)), ranks=ranks, **sizes)
+    return MeshPlan(world_size=world, rank=draw(st.integers(0, world - 1)), ranks=ranks, **sizes)
 
 
-def torch_mesh(layout: MeshLayout) -> DeviceMesh:
+def torch_mesh(layout: MeshPlan) -> DeviceMesh:
     order = torch.tensor(layout.ranks if layout.ranks is not None else range(layout.size))
     return DeviceMesh("cpu", order.reshape(layout.shape), mesh_dim_names=DIM_ORDER)
 
@@ -56,7 +56,7 @@ def torch_all_groups(mesh: torch.Tensor, names: tuple[str, ...]) -> tuple[tuple[
 
 @settings(max_examples=25, deadline=None)
 @given(layouts())
-def test_every_group_equals_torch_device_mesh(layout: MeshLayout) -> None:
+def test_every_group_equals_torch_device_mesh(layout: MeshPlan) -> None:
     with fake_world(layout.world_size, layout.rank):
         mesh = torch_mesh(layout)
         assert tuple(mesh.get_coordinate() or ()) == tuple(layout.coordinate(n) for n in DIM_ORDER)
@@ -71,24 +71,24 @@ def test_every_group_equals_torch_device_mesh(layout: MeshLayout) -> None:
 
 
 @given(layouts(max_world=64), st.sampled_from(SUBSETS))
-def test_a_group_reads_only_its_own_members(layout: MeshLayout, names: tuple[str, ...]) -> None:
+def test_a_group_reads_only_its_own_members(layout: MeshPlan, names: tuple[str, ...]) -> None:
     """The cost of a group is its size: it looks up exactly one global rank per member."""
     looked_up: list[int] = []
-    original = MeshLayout.global_rank
+    original = MeshPlan.global_rank
 
-    def counting(self: MeshLayout, flat: int) -> int:
+    def counting(self: MeshPlan, flat: int) -> int:
         looked_up.append(flat)
         return original(self, flat)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(MeshLayout, "global_rank", counting)
+        patch.setattr(MeshPlan, "global_rank", counting)
         group = layout.group(*names)
     assert len(looked_up) == len(group) == math.prod(getattr(layout, n) for n in names)
 
 
 def test_a_rank_of_a_large_world_gets_its_groups_without_listing_the_world() -> None:
     # 1024 ranks as fprep plans 405B: pp 8 x dp_shard 16 x tp 8, rank 777.
-    layout = MeshLayout(world_size=1024, rank=777, pp=8, dp_shard=16, tp=8)
+    layout = MeshPlan(world_size=1024, rank=777, pp=8, dp_shard=16, tp=8)
     assert (layout.coordinate("pp"), layout.coordinate("dp_shard"), layout.coordinate("tp")) == (
         6,
         1,
@@ -101,7 +101,7 @@ def test_a_rank_of_a_large_world_gets_its_groups_without_listing_the_world() -> 
 
 
 def test_the_data_parallel_views() -> None:
-    hsdp = MeshLayout(
+    hsdp = MeshPlan(
         world_size=16, rank=13, dp_replicate=2, dp_shard=4, tp=2, dp_mesh_names=("r", "s")
     )
     assert hsdp.dp_mesh_shape == (2, 4) and hsdp.dp_mesh_names == ("r", "s")
@@ -109,14 +109,14 @@ def test_the_data_parallel_views() -> None:
     assert hsdp.shard_group == (9, 11, 13, 15)
     assert hsdp.same_shard_ranks == (5, 13)
     assert hsdp.is_distributed
-    plain = MeshLayout(world_size=1, rank=0)
+    plain = MeshPlan(world_size=1, rank=0)
     assert plain.dp_mesh_shape == (1,) and plain.dp_coordinate == (0,)
     assert not plain.is_distributed and plain.describe() == "1"
 
 
 def test_the_record_is_a_frozen_hashable_value() -> None:
-    a = MeshLayout(world_size=4, rank=1, dp_shard=2, tp=2)
-    b = MeshLayout(world_size=4, rank=1, dp_shard=2, tp=2)
+    a = MeshPlan(world_size=4, rank=1, dp_shard=2, tp=2)
+    b = MeshPlan(world_size=4, rank=1, dp_shard=2, tp=2)
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != dataclasses.replace(a, rank=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -152,12 +152,12 @@ def test_a_bad_record_is_refused_naming_the_field(
     fields: dict[str, object], error: type[Exception], subject: str
 ) -> None:
     with pytest.raises(error) as caught:
-        MeshLayout(**fields)  # type: ignore[arg-type]
+        MeshPlan(**fields)  # type: ignore[arg-type]
     assert getattr(caught.value, "subject", None) == subject
 
 
 def test_an_unknown_or_repeated_dimension_is_refused() -> None:
-    layout = MeshLayout(world_size=2, rank=0, dp_shard=2)
+    layout = MeshPlan(world_size=2, rank=0, dp_shard=2)
     with pytest.raises(ConfigError, match="'ep' is not a mesh dimension"):
         layout.group("ep")
     with pytest.raises(ConfigError, match="named twice"):

@@ -4,12 +4,12 @@ Nothing here imports torch's distributed runtime or touches tensor data; the mod
 on ``fprep.errors`` and the standard library, so every transition may use them.
 """
 
-from fprep.layout.mesh import DIM_ORDER, MeshLayout
+from fprep.layout.mesh import DIM_ORDER, MeshPlan
 from fprep.layout.placements import Partial, Placement, Replicate, Shard, StridedShard
 
 __all__ = [
     "DIM_ORDER",
-    "MeshLayout",
+    "MeshPlan",
     "Partial",
     "Placement",
     "Replicate",

@@ -1,6 +1,6 @@
 """The one record of the N-D device mesh: named dimensions, their sizes, and every group on them.
 
-``MeshLayout`` plays the part of torchtitan's ``ParallelDims``. Its dimensions always come in
+``MeshPlan`` plays the part of torchtitan's ``ParallelDims``. Its dimensions always come in
 one order, ``DIM_ORDER`` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), and its ranks
 are laid out row-major over them, as ``init_device_mesh`` lays out a mesh of that shape: the last
 dimension (``tp``) varies fastest, so a tensor-parallel group is a run of neighbouring ranks and
@@ -30,7 +30,7 @@ HSDP_MESH_NAMES = ("replicate", "shard")
 
 
 @dataclass(frozen=True, kw_only=True)
-class MeshLayout:
+class MeshPlan:
     """The whole N-D mesh as data, and this rank's place in it.
 
     ``ranks`` lists the global rank at each row-major position; ``None`` means

@@ -1,7 +1,7 @@
 """init_process_group: the N-D mesh as one record, and who shards with whom (no process group).
 
 The transition checks the topology, the config and any mesh or process group the user passed,
-then describes the mesh once as a ``MeshLayout`` (fprep.layout.mesh): the named dimensions
+then describes the mesh once as a ``MeshPlan`` (fprep.layout.mesh): the named dimensions
 ``(dp_replicate, dp_shard, tp)``, row-major like ``init_device_mesh``. Every field of
 ``ProcessGroupState`` is read from that record. For a 1-D world every rank shards with every
 other. For hybrid sharding (``hsdp``) rank ``r`` shards with the ranks of its row (one node by
@@ -13,7 +13,7 @@ are those with its tp coordinate.
 from __future__ import annotations
 
 from fprep.errors import ConfigError, TopologyError
-from fprep.layout.mesh import DP_MESH_NAMES, HSDP_MESH_NAMES, MeshLayout
+from fprep.layout.mesh import DP_MESH_NAMES, HSDP_MESH_NAMES, MeshPlan
 from fprep.state import MeshSpec, PrepState, ProcessGroupState
 from fprep.transitions._base import transition
 
@@ -37,7 +37,7 @@ def hybrid_groups(
     world_size: int, shard_size: int
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """All shard groups (rows) and replicate groups (columns) of a row-major 2-D mesh."""
-    mesh = MeshLayout(
+    mesh = MeshPlan(
         world_size=world_size,
         rank=0,
         dp_replicate=world_size // shard_size,
@@ -47,7 +47,7 @@ def hybrid_groups(
     return mesh.all_groups("dp_shard"), mesh.all_groups("dp_replicate")
 
 
-def _state_of(mesh: MeshLayout) -> ProcessGroupState:
+def _state_of(mesh: MeshPlan) -> ProcessGroupState:
     """The process-group state read from the mesh record."""
     pre, post = gradient_divide_factors(mesh.dp_size)
     return ProcessGroupState(
@@ -66,7 +66,7 @@ def _state_of(mesh: MeshLayout) -> ProcessGroupState:
 
 def _from_mesh(
     mesh: MeshSpec, rank: int, world: int, strategy: str, shard_size: int | None = None
-) -> MeshLayout:
+) -> MeshPlan:
     """The record of a mesh the user passed: its own ranks and names, checked against the world."""
     hybrid = strategy == "hsdp"
     want = 2 if hybrid else 1
@@ -119,7 +119,7 @@ def _from_mesh(
             hint="Give one name per mesh dimension, as DeviceMesh.mesh_dim_names does.",
         )
     names = mesh.dim_names or (HSDP_DIM_NAMES if hybrid else DP_DIM_NAMES)
-    return MeshLayout(
+    return MeshPlan(
         world_size=world,
         rank=rank,
         dp_replicate=mesh.shape[0] if hybrid else 1,
@@ -132,7 +132,7 @@ def _from_mesh(
 TP_DIM_NAME = "tp"
 
 
-def _beside_tp(state: PrepState) -> MeshLayout:
+def _beside_tp(state: PrepState) -> MeshPlan:
     """The N-D mesh ``(dp_replicate, dp_shard, tp)`` over the world, tp innermost: this rank's
     dp ranks are those with its tp coordinate, so each tp group stays inside a node when tp
     divides the processes per node."""
@@ -172,7 +172,7 @@ def _beside_tp(state: PrepState) -> MeshLayout:
                 subject="hsdp_shard_size",
                 hint="Choose hsdp_shard_size as a divisor of world_size / tp.",
             )
-        return MeshLayout(
+        return MeshPlan(
             world_size=world,
             rank=rank,
             dp_replicate=dp // shard,
@@ -180,7 +180,7 @@ def _beside_tp(state: PrepState) -> MeshLayout:
             tp=tp,
             dp_mesh_names=HSDP_DIM_NAMES,
         )
-    return MeshLayout(world_size=world, rank=rank, dp_shard=dp, tp=tp)
+    return MeshPlan(world_size=world, rank=rank, dp_shard=dp, tp=tp)
 
 
 @transition
@@ -230,7 +230,7 @@ def init_process_group(state: PrepState) -> PrepState:
                 hint="Pass this rank's own group: distinct global ranks below the world size, "
                 "with ranks[group rank] == this rank.",
             )
-        layout = MeshLayout(world_size=world, rank=rank, dp_shard=group.size, ranks=ranks)
+        layout = MeshPlan(world_size=world, rank=rank, dp_shard=group.size, ranks=ranks)
         return state.replace(process_group=_state_of(layout))
     if hybrid:
         shard = cfg.hsdp_shard_size or topo.local_world_size
@@ -242,7 +242,7 @@ def init_process_group(state: PrepState) -> PrepState:
                 hint="Choose hsdp_shard_size as a divisor of the world size (by default it is "
                 "the number of processes per node).",
             )
-        layout = MeshLayout(
+        layout = MeshPlan(
             world_size=world,
             rank=rank,
             dp_replicate=world // shard,
@@ -250,5 +250,5 @@ def init_process_group(state: PrepState) -> PrepState:
             dp_mesh_names=HSDP_DIM_NAMES,
         )
     else:
-        layout = MeshLayout(world_size=world, rank=rank, dp_shard=world)
+        layout = MeshPlan(world_size=world, rank=rank, dp_shard=world)
     return state.replace(process_group=_state_of(layout))
