@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fprep.config_names import CONTEXT_PARALLEL_NOT_YET
 from fprep.errors import ConfigError
 
 _STRATEGY = {
@@ -158,11 +159,13 @@ def parallelism_fields(section: Any, num_processes: Any = None) -> dict[str, Any
     ``parallelism_config`` section of its config file. The mesh is the same: replicate x shard
     x tp, tp innermost."""
     rep, shard, tp, cp, sp = (_size(section, n) for n in _SIZES)
-    for name, value, what in (("cp_size", cp, "context"), ("sp_size", sp, "sequence (Ulysses)")):
+    for name, value, why in (
+        ("cp_size", cp, CONTEXT_PARALLEL_NOT_YET),
+        ("sp_size", sp, "fprep does not support sequence (Ulysses) parallelism yet."),
+    ):
         if value > 1:
             raise ConfigError(
-                f"parallelism_config_{name}={value}: fprep does not support {what} "
-                "parallelism yet.",
+                f"parallelism_config_{name}={value}: {why}",
                 subject=f"parallelism_config_{name}",
                 hint=f"Set {name} to 1 (use tp_size and the dp sizes), or stay on Accelerate "
                 "for this run.",

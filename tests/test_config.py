@@ -332,3 +332,20 @@ def test_a_config_stays_a_frozen_dataclass_that_pickles_and_copies(cfg: PrepConf
     assert dataclasses.replace(cfg) == cfg
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("spelling", ["cp", "cp_size", "context_parallel", "context_parallel_size"])
+def test_context_parallelism_is_refused_with_its_reason(spelling: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        PrepConfig(**{spelling: 2})
+    assert info.value.subject == spelling
+    assert "ring attention" in str(info.value) and "CUDA" in str(info.value)
+    assert "sequence_parallel=True" in (info.value.hint or "")
+
+
+def test_accelerate_cp_size_gets_the_same_reason() -> None:
+    from fprep.migrate import parallelism_fields
+
+    with pytest.raises(ConfigError, match="ring attention") as info:
+        parallelism_fields({"parallelism_config_cp_size": 2, "parallelism_config_tp_size": 1})
+    assert info.value.subject == "parallelism_config_cp_size"
