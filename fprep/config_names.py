@@ -199,36 +199,30 @@ def _shown(value: object) -> object:
     return inner.lower() if isinstance(inner, str) and inner.isupper() else inner
 
 
-#: Why fprep has no context parallelism: the one reason every spelling of the request gets.
-CONTEXT_PARALLEL_NOT_YET = (
-    "fprep does not do context parallelism yet: torch's ring attention "
-    "(torch.distributed.tensor.experimental.context_parallel) runs only on CUDA's SDPA kernels "
-    "(flash, memory-efficient, cuDNN), so it cannot be checked across ranks against one process "
-    "the way every layout fprep applies is."
-)
+#: The keywords that ask fprep for context parallelism, which it does not do yet.
+CONTEXT_PARALLEL_NAMES = frozenset({"cp", "cp_size", "context_parallel", "context_parallel_size"})
 
-#: Parallel dimensions fprep plans for later: keyword -> why not yet.
-NOT_YET: dict[str, str] = {
-    "cp": CONTEXT_PARALLEL_NOT_YET,
-    "cp_size": CONTEXT_PARALLEL_NOT_YET,
-    "context_parallel": CONTEXT_PARALLEL_NOT_YET,
-    "context_parallel_size": CONTEXT_PARALLEL_NOT_YET,
-}
+
+def context_parallel_refused(subject: str, given: str) -> ConfigError:
+    """The one refusal of context parallelism, however it was asked for (``given``)."""
+    return ConfigError(
+        f"{given}: fprep does not do context parallelism yet: torch's ring attention "
+        "(torch.distributed.tensor.experimental.context_parallel) runs only on CUDA's SDPA "
+        "kernels (flash, memory-efficient, cuDNN), so it cannot be checked across ranks against "
+        "one process the way every layout fprep applies is.",
+        subject=subject,
+        hint="Leave it out: shard the sequence's activations with tp= and "
+        "sequence_parallel=True, or checkpoint activations (activation_checkpointing=) to fit "
+        "long sequences.",
+    )
 
 
 def unknown_field(owner: str, key: object, value: object, fields: Sequence[str]) -> ConfigError:
     """The ``ConfigError`` for ``owner(key=value)`` when ``owner`` (``"PrepConfig"``,
     ``"PrepConfig.ddp"``, ...) has only ``fields``."""
     name = str(key)
-    not_yet = NOT_YET.get(name) if owner == "PrepConfig" else None
-    if not_yet is not None:
-        return ConfigError(
-            f"{owner}({name}={_shown(value)}): {not_yet}",
-            subject=name,
-            hint="Leave it out: shard the sequence's activations with tp= and "
-            "sequence_parallel=True, or checkpoint activations (activation_checkpointing=) to "
-            "fit long sequences.",
-        )
+    if owner == "PrepConfig" and name in CONTEXT_PARALLEL_NAMES:
+        return context_parallel_refused(name, f"{owner}({name}={_shown(value)})")
     foreign = FOREIGN_NAMES.get(name) if owner == "PrepConfig" else None
     if foreign is not None:
         origin, advice = foreign
@@ -247,4 +241,9 @@ def unknown_field(owner: str, key: object, value: object, fields: Sequence[str])
     )
 
 
-__all__ = ["CONTEXT_PARALLEL_NOT_YET", "FOREIGN_NAMES", "NOT_YET", "unknown_field"]
+__all__ = [
+    "CONTEXT_PARALLEL_NAMES",
+    "FOREIGN_NAMES",
+    "context_parallel_refused",
+    "unknown_field",
+]

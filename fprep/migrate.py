@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fprep.config_names import CONTEXT_PARALLEL_NOT_YET
+from fprep.config_names import context_parallel_refused
 from fprep.errors import ConfigError
 
 _STRATEGY = {
@@ -159,17 +159,18 @@ def parallelism_fields(section: Any, num_processes: Any = None) -> dict[str, Any
     ``parallelism_config`` section of its config file. The mesh is the same: replicate x shard
     x tp, tp innermost."""
     rep, shard, tp, cp, sp = (_size(section, n) for n in _SIZES)
-    for name, value, why in (
-        ("cp_size", cp, CONTEXT_PARALLEL_NOT_YET),
-        ("sp_size", sp, "fprep does not support sequence (Ulysses) parallelism yet."),
-    ):
-        if value > 1:
-            raise ConfigError(
-                f"parallelism_config_{name}={value}: {why}",
-                subject=f"parallelism_config_{name}",
-                hint=f"Set {name} to 1 (use tp_size and the dp sizes), or stay on Accelerate "
-                "for this run.",
-            )
+    if cp > 1:
+        raise context_parallel_refused(
+            "parallelism_config_cp_size", f"parallelism_config_cp_size={cp}"
+        )
+    if sp > 1:
+        raise ConfigError(
+            f"parallelism_config_sp_size={sp}: fprep does not support sequence (Ulysses) "
+            "parallelism yet.",
+            subject="parallelism_config_sp_size",
+            hint="Set sp_size to 1 (use tp_size and the dp sizes), or stay on Accelerate for "
+            "this run.",
+        )
     total = rep * shard * tp
     if num_processes is not None and str(num_processes).isdigit() and int(num_processes) != total:
         raise ConfigError(
