@@ -83,20 +83,45 @@ class PlanInputs:
 class ProcessGroupState:
     """Who shards with whom. For 1-D worlds the shard group is the data-parallel group.
 
-    ``mesh`` is the whole N-D mesh as one record; the other fields are views of it kept for the
-    readers that predate it (the data-parallel mesh FSDP2 / DDP receive, and its groups).
+    ``mesh`` is the whole N-D mesh as one record; the other attributes are read from it (the
+    data-parallel mesh FSDP2 / DDP receive, and its groups), never stored beside it.
     """
 
-    world_size: int
-    rank: int
     mesh: MeshPlan
-    mesh_shape: tuple[int, ...]
-    mesh_dim_names: tuple[str, ...]
-    coordinate: tuple[int, ...]
-    shard_group: tuple[int, ...]  # ranks this rank shards parameters with (intra-node for hsdp)
-    replicate_group: tuple[int, ...]  # ranks holding the same shard (inter-node for hsdp)
     gradient_predivide_factor: float
     gradient_postdivide_factor: float
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The data-parallel mesh's shape."""
+        return self.mesh.dp_mesh_shape
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self.mesh.dp_mesh_names
+
+    @property
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate on the data-parallel mesh."""
+        return self.mesh.dp_coordinate
+
+    @functools.cached_property
+    def shard_group(self) -> tuple[int, ...]:
+        """Ranks this rank shards parameters with (intra-node for hsdp); computed once."""
+        return self.mesh.shard_group
+
+    @functools.cached_property
+    def replicate_group(self) -> tuple[int, ...]:
+        """Ranks holding the same shard (inter-node for hsdp); computed once."""
+        return self.mesh.same_shard_ranks
 
     @property
     def shard_size(self) -> int:

@@ -51,16 +51,7 @@ def _state_of(mesh: MeshPlan) -> ProcessGroupState:
     """The process-group state read from the mesh record."""
     pre, post = gradient_divide_factors(mesh.dp_size)
     return ProcessGroupState(
-        world_size=mesh.world_size,
-        rank=mesh.rank,
-        mesh=mesh,
-        mesh_shape=mesh.dp_mesh_shape,
-        mesh_dim_names=mesh.dp_mesh_names,
-        coordinate=mesh.dp_coordinate,
-        shard_group=mesh.shard_group,
-        replicate_group=mesh.same_shard_ranks,
-        gradient_predivide_factor=pre,
-        gradient_postdivide_factor=post,
+        mesh=mesh, gradient_predivide_factor=pre, gradient_postdivide_factor=post
     )
 
 
