@@ -29,6 +29,7 @@ from fprep.errors import (
 from fprep.loop import accumulate, autocast, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
 from fprep.parallel_loop import check_tp_inputs, loss_parallel
+from fprep.pipeline_loop import pipeline_step
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
 from fprep.prepare import backward, default_steps, prepare, prepare_optimizer
 from fprep.processes import (
@@ -64,6 +65,7 @@ from fprep.transitions import (
     init_extension,
     init_ignored,
     init_param_handles,
+    init_pipeline,
     init_prefetching,
     init_process_group,
     init_runtime,
@@ -156,6 +158,7 @@ __all__ = [
     "init_extension",
     "init_ignored",
     "init_param_handles",
+    "init_pipeline",
     "init_prefetching",
     "init_process_group",
     "init_runtime",
@@ -169,6 +172,7 @@ __all__ = [
     "optimizer_step",
     "pad_across_processes",
     "pipeline",
+    "pipeline_step",
     "plan",
     "prepare",
     "prepare_data_loader",

@@ -32,6 +32,15 @@ CompileMode = Literal["none", "whole", "regional"]
 StateDictType = Literal["sharded", "full"]
 FloatDType = Literal["float32", "bfloat16", "float16"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+PipelineSchedule = Literal[
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
 Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 #: A wrap policy: module classes (or their names), a minimum parameter count, or a predicate over
@@ -348,6 +357,16 @@ class PrepConfig(_KeywordsChecked):
     #: shard the residual stream between blocks on the sequence (norms, dropouts): the plan
     #: gains torchtitan's sequence-parallel layout (docs/parallelism.md)
     sequence_parallel: bool = False
+    # pipeline parallelism: pp ranks (outermost mesh dim) each run their stages of the model
+    # under a torch.distributed.pipelining schedule (docs/parallelism.md)
+    pp: int = 1
+    pp_schedule: PipelineSchedule = "1F1B"
+    #: micro-batches per step; None: one per stage (the fewest every schedule accepts)
+    pp_microbatches: int | None = None
+    #: stages each pp rank runs under a looped schedule (V schedules always run two)
+    pp_stages_per_rank: int = 2
+    #: module names per stage, outermost first; None: the model's own split (docs/parallelism.md)
+    pp_split: tuple[tuple[str, ...], ...] | None = None
     # precision
     precision: Precision = "no"
     reduce_dtype: FloatDType | None = None
@@ -415,6 +434,7 @@ class PrepConfig(_KeywordsChecked):
         object.__setattr__(self, "tp_plan", _normalize_tp_plan(self.tp_plan))
         _check_bool(o, "sequence_parallel", self.sequence_parallel)
         _check_sequence_parallel(self)
+        _check_pipeline(self)
         _check_choice(o, "precision", self.precision, Precision)
         if self.reduce_dtype is not None:
             _check_choice(o, "reduce_dtype", self.reduce_dtype, FloatDType)
@@ -496,6 +516,8 @@ class PrepConfig(_KeywordsChecked):
                 value = _wrap_to_plain(value)
             elif f.name == "tp_plan" and value is not None:
                 value = dict(value)
+            elif f.name == "pp_split" and value is not None:
+                value = [list(stage) for stage in value]
             elif f.name == "param_init_fn" and value is not None:
                 value = import_string(value, "param_init_fn")
             elif isinstance(value, tuple):
@@ -634,6 +656,46 @@ def _check_sequence_parallel(cfg: PrepConfig) -> None:
             f"uses {', '.join(repr(s) for s in named)}, which only fit a sequence-parallel "
             "layout (every norm, dropout and block boundary sharded on the sequence).",
             "Set sequence_parallel=True (fprep then plans the whole layout), or use 'replicate'.",
+        )
+
+
+def _check_pipeline(cfg: PrepConfig) -> None:
+    o = "PrepConfig"
+    _check_int(o, "pp", cfg.pp, minimum=1)
+    _check_choice(o, "pp_schedule", cfg.pp_schedule, PipelineSchedule)
+    if cfg.pp_microbatches is not None:
+        _check_int(o, "pp_microbatches", cfg.pp_microbatches, minimum=1)
+    _check_int(o, "pp_stages_per_rank", cfg.pp_stages_per_rank, minimum=1)
+    split: Any = cfg.pp_split  # whatever the caller passed, checked here
+    if split is not None:
+        if isinstance(split, str | bytes) or not isinstance(split, tuple | list):
+            raise _fail(
+                o,
+                "pp_split",
+                f"must be a list of stages, each a list of module names; got {split!r}.",
+                "e.g. pp_split=[['tok_embeddings', 'layers.0'], ['layers.1', 'norm', 'output']]",
+            )
+        stages = []
+        stage: Any
+        for index, stage in enumerate(split):
+            if isinstance(stage, str | bytes) or not isinstance(stage, tuple | list) or not stage:
+                raise _fail(
+                    o,
+                    "pp_split",
+                    f"stage {index} is {stage!r}, not a non-empty list of module names.",
+                    "Give each stage a list of module names, e.g. ['layers.0', 'layers.1'].",
+                )
+            if not all(isinstance(n, str) and n for n in stage):
+                raise _fail(o, "pp_split", f"stage {index} names {stage!r}; names are FQNs.")
+            stages.append(tuple(stage))
+        object.__setattr__(cfg, "pp_split", tuple(stages))
+    if cfg.pp == 1 and (split is not None or cfg.pp_microbatches is not None):
+        field_name = "pp_split" if split is not None else "pp_microbatches"
+        raise _fail(
+            o,
+            field_name,
+            "is set but pp=1: there is no pipeline to split or feed.",
+            "Set pp > 1 (the pipeline ranks), or leave it unset.",
         )
 
 

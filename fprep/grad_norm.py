@@ -51,10 +51,32 @@ def check_norm_type(norm_type: float) -> float:
     return p
 
 
-def total_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+def total_norm(grads: Sequence[torch.Tensor], norm_type: float, across: Any = None) -> torch.Tensor:
     """The p-norm of all of ``grads`` as one vector, the same on every rank (a float32
-    tensor on the first gradient's device); a collective when a gradient is a DTensor."""
+    tensor on the first gradient's device); a collective when a gradient is a DTensor.
+
+    ``across``: a process group whose ranks hold other parts of the model (the pipeline
+    stages): their norms are combined with one more all-reduce of one number.
+    """
     p = check_norm_type(norm_type)
+    if across is not None:
+        return _across(_local_power(grads, p), p, across)
+    return _root(_local_power(grads, p), p)
+
+
+def _root(power: torch.Tensor, p: float) -> torch.Tensor:
+    return power if math.isinf(p) else power.pow(1.0 / p)
+
+
+def _across(power: torch.Tensor, p: float, group: Any) -> torch.Tensor:
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    dist.all_reduce(power, op=op, group=group)
+    return _root(power, p)
+
+
+def _local_power(grads: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    """Sum of ``|x|^p`` over every element of ``grads`` (the max of ``|x|`` for the infinity
+    norm), each counted once over the meshes the DTensors span."""
     plain = [g for g in grads if not is_dtensor(g)]
     by_mesh = _by_mesh([g for g in grads if is_dtensor(g)])
     parts: list[torch.Tensor] = []
@@ -66,9 +88,7 @@ def total_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         return torch.tensor(0.0)
     device = parts[0].device
     stacked = torch.stack([t.to(device) for t in parts])
-    if math.isinf(p):
-        return stacked.max()
-    return stacked.sum().pow(1.0 / p)
+    return stacked.max() if math.isinf(p) else stacked.sum()
 
 
 def _by_mesh(sharded: list[Any]) -> list[tuple[Any, list[Any]]]:

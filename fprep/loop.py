@@ -163,7 +163,8 @@ def clip_grad_norm(
 
     The norm is the single-process norm of the full gradient: sharded (DTensor) gradients are
     reduced across their mesh, one all-reduce per distinct mesh, replicated ones counted once
-    (``fprep.grad_norm``). With fp16, pass the optimizer so the gradients are unscaled first.
+    (``fprep.grad_norm``); under pipeline parallelism one more all-reduce combines the stages.
+    With fp16, pass the optimizer so the gradients are unscaled first.
     ``norm_type`` is a positive p or ``math.inf``.
     """
     handles = handles_of(state)
@@ -179,12 +180,16 @@ def clip_grad_norm(
             )
         scaler.unscale_(optimizer)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    # Under pipeline parallelism each rank holds its stages' gradients: the stages' norms are
+    # combined over the pipeline ranks (every rank takes part, with or without gradients).
+    across = handles.pp_mesh.get_group() if handles.pp_mesh is not None else None
+    if not grads and across is None:
         check_norm_type(norm_type)
         return torch.tensor(0.0)
-    # one all-reduce per distinct mesh; a lost rank is a CollectiveError
+    # one all-reduce per distinct mesh (and one over the pipeline); a lost rank is a
+    # CollectiveError
     with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
-        total_norm = total_norm_of(grads, norm_type)
+        total_norm = total_norm_of(grads, norm_type, across)
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     with torch.no_grad():
         for g in grads:  # a DTensor: scale this rank's shard, no collective, no dispatch

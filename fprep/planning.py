@@ -24,6 +24,7 @@ from fprep.transitions import (
     init_extension,
     init_ignored,
     init_param_handles,
+    init_pipeline,
     init_prefetching,
     init_process_group,
     init_runtime,
@@ -34,6 +35,7 @@ from fprep.weights.source import snapshot as weights_snapshot
 #: The default planning pipeline, in the order each transition's inputs become available.
 DEFAULT_TRANSITIONS: tuple[Transition, ...] = (
     init_process_group,
+    init_pipeline,
     init_ignored,
     init_device,
     init_buffers,
@@ -42,6 +44,7 @@ DEFAULT_TRANSITIONS: tuple[Transition, ...] = (
     init_extension,
     init_state_dict,
     init_param_handles,
+    init_pipeline,
     init_prefetching,
 )
 

@@ -3,6 +3,7 @@
 The default pipeline, in order (each step is a no-op when the plan does not ask for it):
 
 1. ``connect``            process group, N-D DeviceMesh (nothing for a single process)
+   ``split_stages``       pipeline parallelism: this rank's part and its stage modules (pp > 1)
 2. ``fp8``                the planned Linear layers become float8 ones (precision="fp8")
 3. ``parallelize``        tensor parallelism: ``parallelize_module`` on the tp sub-mesh (tp > 1)
 4. ``checkpoint``         activation checkpointing per region (non-reentrant torch.utils.checkpoint)
@@ -13,6 +14,7 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
 9. ``place``              move a replicated model to the compute device
 10. ``sync_module_states`` rank 0's weights to every rank (fsdp, hsdp; DDP does it itself)
 11. ``precision``         autocast with float32 outputs; fp16 grad scaler
+    ``stages``            pipeline parallelism: a ``PipelineStage`` per stage module (pp > 1)
 12. ``replicate``         DistributedDataParallel and its comm hook (ddp)
 13. ``fast_ddp``          broadcast from rank 0 once (fast_ddp)
 14. ``compile_whole``     whole-model ``torch.compile``
@@ -58,6 +60,7 @@ from fprep.apply.fp8 import check_fp8_available
 from fprep.apply.load_weights import load_weights
 from fprep.apply.lora_init import lora_inits
 from fprep.apply.parallelize import parallelize
+from fprep.apply.pipeline_stages import split_stages, stages
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.collectives import collective
@@ -95,6 +98,7 @@ def default_steps(*, mesh: Any = None, process_group: Any = None) -> tuple[Step,
     """The default steps, in order; ``connect`` uses the given mesh or process group."""
     return (
         make_connect(mesh=mesh, process_group=process_group),
+        split_stages,
         fp8,
         parallelize,
         checkpoint,
@@ -105,6 +109,7 @@ def default_steps(*, mesh: Any = None, process_group: Any = None) -> tuple[Step,
         place,
         sync_module_states,
         precision,
+        stages,
         replicate,
         fast_ddp,
         compile_whole,

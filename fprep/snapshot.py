@@ -247,6 +247,12 @@ class ModuleTree:
     #: Head counts tensor parallelism must divide (``num_attention_heads``,
     #: ``num_key_value_heads``, ``n_heads``, ``n_kv_heads`` of ``model.config``).
     head_counts: tuple[tuple[str, int], ...] = ()
+    #: The model's own pipeline plan: the modules its forward runs one after another, in that
+    #: order, from the root (transformers' ``base_model_pp_plan`` under ``base_model_prefix``
+    #: plus the class's ``_pp_plan``; any model's ``_pp_plan``). A model that has one declares
+    #: that its forward passes activations through each of them, so a pipeline stage can stand
+    #: a pass-through in for the ones another stage holds. None when it has none.
+    pp_plan: tuple[str, ...] | None = None
     _module_index: dict[str, ModuleInfo] = field(init=False, repr=False, compare=False, hash=False)
     _param_index: dict[str, ParamInfo] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -421,6 +427,7 @@ class ModuleTree:
             prepared=bool(getattr(model, PREPARED_ATTR, False)),
             tp_plan=own_tp_plan(model),
             head_counts=head_counts(model),
+            pp_plan=own_pp_plan(model),
         )
 
 
@@ -449,6 +456,22 @@ def own_tp_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     if isinstance(own, Mapping):
         plan.update({str(k): str(v) for k, v in own.items()})
     return tuple(sorted(plan.items())) if plan else None
+
+
+def own_pp_plan(model: nn.Module) -> tuple[str, ...] | None:
+    """The modules a model's forward runs in sequence, from the root, as the model declares
+    them (see ``ModuleTree.pp_plan``); None when it declares none."""
+    order: list[str] = []
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_pp_plan", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    if isinstance(base, Mapping) and base:
+        under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        order.extend(f"{under}.{k}" if under else str(k) for k in base)
+    own = getattr(type(model), "_pp_plan", None)
+    if isinstance(own, Mapping):
+        order.extend(str(k) for k in own if str(k) not in order)
+    return tuple(order) if order else None
 
 
 def _peft_base(model: nn.Module) -> tuple[str, nn.Module] | None:

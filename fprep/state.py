@@ -138,6 +138,66 @@ class ProcessGroupState:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineState:
+    """Pipeline parallelism: the model cut into stages, and the stages this rank runs.
+
+    ``split`` lists the module FQNs of every stage, first stage first (each module in exactly
+    one stage); ``stages`` are this rank's stage indices (one, two for the V schedules, or
+    ``pp_stages_per_rank`` round-robin for the looped ones). ``shared`` are the modules without
+    parameters that no stage names (rotary embeddings, dropouts): every stage keeps them.
+    ``whole`` is the snapshot of the whole model; from ``init_pipeline`` on, ``inputs.tree`` is
+    this rank's part of it (its stages' modules under their own names, a pass-through in place
+    of every other stage's module), so every later transition plans this rank's part only.
+    ``mesh`` is the mesh record (``ProcessGroupState.mesh``); the pipeline ranks are its ``pp``
+    dimension.
+    """
+
+    mesh: MeshPlan
+    schedule: str
+    microbatches: int
+    split: tuple[tuple[str, ...], ...]
+    stages: tuple[int, ...]
+    source: Literal["config", "model"]
+    shared: tuple[str, ...] = ()
+    whole: ModuleTree | None = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        """The pipeline ranks."""
+        return self.mesh.pp
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among the pipeline ranks."""
+        return self.mesh.coordinate("pp")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split)
+
+    @property
+    def holds_first(self) -> bool:
+        """This rank runs stage 0 (it is fed the inputs)."""
+        return 0 in self.stages
+
+    @property
+    def holds_last(self) -> bool:
+        """This rank runs the last stage (it is given the targets and computes the loss)."""
+        return self.num_stages - 1 in self.stages
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The split's modules this rank holds, in stage order."""
+        return tuple(name for index in self.stages for name in self.split[index])
+
+    def gaps(self, stage: int | None = None) -> tuple[str, ...]:
+        """The split's modules a pass-through stands in for: on stage ``stage``'s module, or
+        on this rank's part when ``stage`` is None."""
+        held = set(self.split[stage]) if stage is not None else set(self.modules)
+        return tuple(name for names in self.split for name in names if name not in held)
+
+
+@dataclass(frozen=True, kw_only=True)
 class IgnoredState:
     modules: frozenset[str]  # closed under submodules
     params: frozenset[str]  # every name of every ignored parameter
@@ -408,6 +468,8 @@ class PrepState:
 
     inputs: PlanInputs
     process_group: ProcessGroupState | None = None
+    #: set by ``init_pipeline`` when ``PrepConfig.pp > 1``; None otherwise
+    pipeline: PipelineState | None = None
     ignored: IgnoredState | None = None
     device: DeviceState | None = None
     buffers: BufferState | None = None

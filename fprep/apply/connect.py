@@ -21,6 +21,7 @@ from fprep.apply.steps import Handles, step
 from fprep.collectives import first_contact, take_contact
 from fprep.devices import device_handle
 from fprep.errors import PrepareError, PrepError, TopologyError
+from fprep.layout.mesh import MeshPlan
 from fprep.peers import clear as clear_status
 from fprep.state import PrepState, need
 
@@ -81,19 +82,30 @@ def _build_mesh(state: PrepState, device: torch.device, user_mesh: Any, user_gro
     return init_device_mesh(device.type, pg.mesh_shape, mesh_dim_names=pg.mesh_dim_names)
 
 
+def world_mesh_layout(record: MeshPlan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The shape and names of the N-D DeviceMesh fprep builds under tp or pp, read from the
+    mesh record: ``pp`` (when > 1), the data-parallel dims under their names, ``tp`` (when > 1).
+    """
+    dims = [("pp", record.pp)] if record.pp > 1 else []
+    dims += zip(record.dp_mesh_names, record.dp_mesh_shape, strict=True)
+    dims += [("tp", record.tp)] if record.tp > 1 else []
+    return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+
+
 def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
     """A connect step that uses the mesh or process group the caller passed to ``prepare``."""
 
     @step("connect")
     def connect(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
         core = need(state.core, "init_core", "connect")
+        record = need(state.process_group, "init_process_group", "connect").mesh
         device = _device(state)
         handle = device_handle(device.type)
-        handle.setup(distributed=core.is_distributed)  # e.g. Gaudi: hpu device, hccl backend
+        handle.setup(distributed=record.is_distributed)  # e.g. Gaudi: hpu device, hccl backend
         if state.config.compile != "none":
             handle.check_compile()  # before any change to the model
-        tps = state.tensor_parallel
-        if not core.is_distributed and tps is None:
+        model_parallel = record.tp > 1 or record.pp > 1
+        if not core.is_distributed and not model_parallel:
             return state.replace(handles=Handles(device=device, device_handle=handle)), model
         try:
             owns = _ensure_default_group(state)
@@ -102,16 +114,17 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
                 raise
             raise PrepareError(f"creating the process group failed: {e}", subject="connect") from e
         clear_status()  # this rank takes part (again): forget an earlier "ended" or "exited"
-        world_mesh = tp_mesh = None
+        world_mesh = tp_mesh = pp_mesh = None
         group: Any
-        if tps is not None:  # one N-D mesh (dp dims..., tp); FSDP2 gets its dp sub-mesh
+        if model_parallel:  # one N-D mesh (pp, dp dims..., tp); FSDP2 gets its dp sub-mesh
             from torch.distributed.device_mesh import init_device_mesh
 
-            world_mesh = init_device_mesh(
-                device.type, tps.mesh_shape, mesh_dim_names=tps.mesh_dim_names
-            )
-            tp_mesh = world_mesh["tp"]
-            dp_mesh = world_mesh[tps.mesh_dim_names[:-1]]
+            shape, names = world_mesh_layout(record)
+            world_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            tp_mesh = world_mesh["tp"] if record.tp > 1 else None
+            pp_mesh = world_mesh["pp"] if record.pp > 1 else None
+            dp_names = record.dp_mesh_names
+            dp_mesh = world_mesh[dp_names[0] if len(dp_names) == 1 else dp_names]
             mesh_obj, group = dp_mesh, dp_mesh.get_group(dp_mesh.ndim - 1)
         elif core.is_sharded:
             mesh_obj = _build_mesh(state, device, mesh, process_group)
@@ -127,6 +140,7 @@ def make_connect(mesh: Any = None, process_group: Any = None) -> Any:
                     process_group=group,
                     owns_process_group=owns,
                     tp_mesh=tp_mesh,
+                    pp_mesh=pp_mesh,
                     world_mesh=world_mesh,
                 )
             ),

@@ -95,8 +95,6 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
         CPUOffloadPolicy(pin_memory=core.pin_memory) if core.offload == "cpu" else OffloadPolicy()
     )
     for unit in plan.units:
-        module = model.get_submodule(unit.fqn)
-        skip = {**ignored, **_managed_elsewhere(module, unit.fqn, unit_of)}
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(policy.param_dtype),
             reduce_dtype=_dtype(policy.reduce_dtype),
@@ -104,14 +102,23 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
             if unit.fqn == "" and policy.param_dtype
             else None,
         )
-        fully_shard(
-            module,
-            mesh=handles.mesh,
-            reshard_after_forward=unit.reshard_after_forward,
-            mp_policy=mp,
-            offload_policy=offload,
-            ignored_params=set(skip.values()) or None,
+        # Under pipeline parallelism the root unit is each stage module (the model prepare
+        # returns never runs; fprep.apply.pipeline_stages): each is an FSDP2 root, as torchtitan's.
+        targets = (
+            handles.stage_modules
+            if unit.fqn == "" and handles.stage_modules
+            else (model.get_submodule(unit.fqn),)
         )
+        for module in targets:
+            skip = {**ignored, **_managed_elsewhere(module, unit.fqn, unit_of)}
+            fully_shard(
+                module,
+                mesh=handles.mesh,
+                reshard_after_forward=unit.reshard_after_forward,
+                mp_policy=mp,
+                offload_policy=offload,
+                ignored_params=set(skip.values()) or None,
+            )
 
     carry_param_attributes(model, attrs)
 

@@ -63,7 +63,14 @@ class Handles:
     mesh: Any = None  # torch.distributed.DeviceMesh, None for a single process
     process_group: Any = None  # the data-parallel process group
     tp_mesh: Any = None  # the tensor-parallel sub-mesh (PrepConfig.tp > 1)
-    world_mesh: Any = None  # the whole N-D mesh (dp dims..., tp) under tensor parallelism
+    world_mesh: Any = None  # the whole N-D mesh (pp, dp dims..., tp) under tp or pp
+    pp_mesh: Any = None  # the pipeline sub-mesh (PrepConfig.pp > 1)
+    #: under pp: the modules the pipeline stages run, one per stage of this rank (they share
+    #: every module with the model prepare returns; fprep.apply.pipeline_stages)
+    stage_modules: tuple[Any, ...] = ()
+    pipeline_stages: tuple[Any, ...] = ()  # torch's PipelineStage of each
+    #: the schedule built for each loss function (fprep.pipeline_step builds them on first use)
+    schedules: Any = None
     owns_process_group: bool = False
     grad_scaler: Any = None  # torch.amp.GradScaler for fp16
     scaler_use: ScalerUse | None = None  # with grad_scaler

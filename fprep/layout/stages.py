@@ -35,11 +35,13 @@ def default_split(
     first: Sequence[str] = ("tok_embeddings",),
     layers: str = "layers",
     last: Sequence[str] = ("norm", "output"),
+    layer_names: Sequence[str] | None = None,
 ) -> Split:
     """torchtitan's split of a language model with ``num_layers`` blocks ``{layers}.{i}``.
 
     ``first`` (the embedding) opens stage 0 and ``last`` (final norm and head) closes the last
-    stage; each counts as one layer when the layers are spread.
+    stage; each counts as one layer when the layers are spread. ``layer_names`` gives the
+    blocks' names when they are not ``{layers}.{i}`` (a ModuleDict's keys).
     """
     if num_layers < 1:
         raise ConfigError(
@@ -47,7 +49,11 @@ def default_split(
             subject="num_layers",
         )
     _check_positive("num_stages", num_stages)
-    names = [f"{layers}.{i}" for i in range(num_layers)]
+    names = (
+        list(layer_names)
+        if layer_names is not None
+        else [f"{layers}.{i}" for i in range(num_layers)]
+    )
     if num_stages == 1:
         return ((*first, *names, *last),)
     weighted = num_layers + 2  # the embedding and the head each weigh one layer
@@ -156,3 +162,32 @@ def _stages_per_rank(schedule: str, stages_per_rank: int) -> int:
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.", subject=name)
+
+
+def check_microbatches(schedule: str, microbatches: int, pp: int, stages: int) -> None:
+    """Refuse a micro-batch count ``schedule`` cannot run with ``pp`` ranks and ``stages``
+    stages in all, as torch's schedules would (but before anything runs)."""
+    _check_positive("pp_microbatches", microbatches)
+    if schedule in ("1F1B", "ZBVZeroBubble", "DualPipeV") and microbatches < stages:
+        raise ConfigError(
+            f"pp_schedule={schedule!r} needs at least as many micro-batches as stages "
+            f"({stages}); pp_microbatches={microbatches}.",
+            subject="pp_microbatches",
+            hint=f"Use pp_microbatches >= {stages} (more micro-batches also shrink the bubble).",
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ConfigError(
+                f"pp_schedule={schedule!r} runs micro-batches in rounds of the {pp} pipeline "
+                f"ranks; pp_microbatches={microbatches} is not a multiple of its "
+                f"{rounds} rounds.",
+                subject="pp_microbatches",
+                hint=f"Use a multiple of {pp} micro-batches (or fewer than {2 * pp}).",
+            )
+
+
+def microbatch_sizes(batch: int, microbatches: int) -> tuple[int, ...]:
+    """How ``torch.tensor_split`` cuts a batch of ``batch`` rows into ``microbatches`` chunks."""
+    size, extra = divmod(batch, microbatches)
+    return tuple(size + (1 if i < extra else 0) for i in range(microbatches))

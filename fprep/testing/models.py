@@ -234,6 +234,14 @@ class Llama(nn.Module):
         "layers.*.feed_forward.w2": "rowwise",
         "output": "colwise_gather_output",
     }
+    #: Its pipeline plan (transformers' format): the modules ``forward`` runs in sequence, each
+    #: given the previous one's output, so a stage can pass through the ones it does not hold.
+    _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
+        "tok_embeddings": (["tokens"], ["h"]),
+        "layers": (["h"], ["h"]),
+        "norm": (["h"], ["h"]),
+        "output": (["h"], ["logits"]),
+    }
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""The ten planning transitions, each ``PrepState -> Result[PrepState, PrepError]``."""
+"""The planning transitions, each ``PrepState -> Result[PrepState, PrepError]``: the design's
+ten, and ``init_pipeline`` (pipeline parallelism, pp > 1)."""
 
 from fprep.transitions._base import Transition, transition
 from fprep.transitions.buffers import init_buffers
@@ -7,6 +8,7 @@ from fprep.transitions.device import init_device
 from fprep.transitions.extension import init_extension
 from fprep.transitions.ignored import init_ignored
 from fprep.transitions.param_handles import init_param_handles
+from fprep.transitions.pipeline import init_pipeline
 from fprep.transitions.prefetching import init_prefetching
 from fprep.transitions.process_group import init_process_group
 from fprep.transitions.runtime import init_runtime
@@ -20,6 +22,7 @@ __all__ = [
     "init_extension",
     "init_ignored",
     "init_param_handles",
+    "init_pipeline",
     "init_prefetching",
     "init_process_group",
     "init_runtime",

@@ -36,14 +36,22 @@ def _resolve(requested: str, world: int, device_type: str) -> tuple[ResolvedStra
     return requested, ""  # type: ignore[return-value]
 
 
-def _resolve_beside_tp(requested: str, tp: int, dp: int) -> tuple[ResolvedStrategy, str]:
-    """The data-parallel strategy over the ``dp = world / tp`` ranks beside tensor parallelism:
-    FSDP2 (or HSDP) composes with tp; DDP over DTensors does not, and ``none`` with several
-    data-parallel ranks would train unsynchronized replicas."""
+def _resolve_beside_tp(
+    requested: str, tp: int, dp: int, pp: int = 1
+) -> tuple[ResolvedStrategy, str]:
+    """The data-parallel strategy over the ``dp = world / (pp x tp)`` ranks beside tensor and
+    pipeline parallelism: FSDP2 (or HSDP) composes with both; DDP over DTensors does not (and
+    fprep does not yet pair DDP with pipeline stages), and ``none`` with several data-parallel
+    ranks would train unsynchronized replicas."""
+    dims = " x ".join(f"{n}={v}" for n, v in (("pp", pp), ("tp", tp)) if v > 1)
     if requested in ("ddp", "fast_ddp"):
+        why = (
+            "DDP cannot replicate tensor-parallel DTensors"
+            if tp > 1
+            else "fprep runs data parallelism beside pipeline stages with FSDP2 only"
+        )
         raise ConfigError(
-            f"strategy={requested!r} does not compose with tp={tp}: DDP cannot replicate "
-            "tensor-parallel DTensors.",
+            f"strategy={requested!r} does not compose with {dims}: {why}.",
             subject="strategy",
             hint="Use strategy='fsdp' (or 'hsdp') for the data-parallel part.",
         )
@@ -52,17 +60,18 @@ def _resolve_beside_tp(requested: str, tp: int, dp: int) -> tuple[ResolvedStrate
             ""
             if requested in ("auto", "none")
             else (
-                f"tp={tp} is the whole world: strategy {requested!r} resolved to 'none' (no "
+                f"{dims} is the whole world: strategy {requested!r} resolved to 'none' (no "
                 "data-parallel ranks)."
             )
         )
         return "none", note
     if requested == "none":
         raise ConfigError(
-            f"strategy='none' with tp={tp} leaves {dp} data-parallel replicas that never "
+            f"strategy='none' with {dims} leaves {dp} data-parallel replicas that never "
             "synchronize their gradients.",
             subject="strategy",
-            hint=f"Use strategy='fsdp' (or 'hsdp'), or tp equal to the world size ({tp * dp}).",
+            hint=f"Use strategy='fsdp' (or 'hsdp'), or {dims} covering the whole world "
+            f"({tp * pp * dp} ranks).",
         )
     return ("fsdp" if requested == "auto" else requested), ""  # type: ignore[return-value]
 
@@ -282,8 +291,8 @@ def init_core(state: PrepState) -> PrepState:
     cfg = state.config
     _check_not_prepared(state, ignored)
 
-    if cfg.tp > 1:
-        strategy, note = _resolve_beside_tp(cfg.strategy, cfg.tp, pg.replicate_size * pg.shard_size)
+    if cfg.tp > 1 or cfg.pp > 1:
+        strategy, note = _resolve_beside_tp(cfg.strategy, cfg.tp, pg.mesh.dp_size, cfg.pp)
     else:
         strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
     notes: tuple[str, ...] = (note,) if note else ()
@@ -293,6 +302,14 @@ def init_core(state: PrepState) -> PrepState:
     sharded = strategy in ("fsdp", "hsdp")
 
     raf = cfg.effective_reshard_after_forward
+    if cfg.pp > 1 and cfg.reshard_after_forward is None and sharded and raf is True:
+        # Each stage's forward runs once per micro-batch: resharding after each would
+        # all-gather the stage's parameters again for every micro-batch (torchtitan's default).
+        raf = False
+        notes += (
+            "pp > 1: parameters stay gathered between micro-batches "
+            "(reshard_after_forward=False; set it to True to save memory instead).",
+        )
     if not isinstance(raf, bool) and sharded:
         if pg.shard_size % raf:
             raise TopologyError(

@@ -2,12 +2,13 @@
 
 The transition checks the topology, the config and any mesh or process group the user passed,
 then describes the mesh once as a ``MeshPlan`` (fprep.layout.mesh): the named dimensions
-``(dp_replicate, dp_shard, tp)``, row-major like ``init_device_mesh``. Every field of
+``(pp, dp_replicate, dp_shard, tp)``, row-major like ``init_device_mesh``. Every field of
 ``ProcessGroupState`` is read from that record. For a 1-D world every rank shards with every
 other. For hybrid sharding (``hsdp``) rank ``r`` shards with the ranks of its row (one node by
 default) and replicates with those of its column. Under tensor parallelism the tp dimension is
 innermost, so each tp group is a run of neighbouring ranks and the data-parallel peers of a rank
-are those with its tp coordinate.
+are those with its tp coordinate. Under pipeline parallelism pp is outermost: each pipeline
+rank's block of ranks is contiguous, and data-parallel peers also share the pp coordinate.
 """
 
 from __future__ import annotations
@@ -123,55 +124,66 @@ def _from_mesh(
 TP_DIM_NAME = "tp"
 
 
-def _beside_tp(state: PrepState) -> MeshPlan:
-    """The N-D mesh ``(dp_replicate, dp_shard, tp)`` over the world, tp innermost: this rank's
-    dp ranks are those with its tp coordinate, so each tp group stays inside a node when tp
-    divides the processes per node."""
+def _model_parallel_name(state: PrepState) -> str:
+    """The config field that asks for a model-parallel mesh (for error messages)."""
+    cfg = state.config
+    return "tp" if cfg.tp > 1 else "pp"
+
+
+def _beside_model_parallel(state: PrepState) -> MeshPlan:
+    """The N-D mesh ``(pp, dp_replicate, dp_shard, tp)`` over the world: pp outermost, tp
+    innermost, so each tp group is a run of neighbouring ranks (inside a node when tp divides
+    the processes per node) and each pipeline stage's ranks are a contiguous block. This rank's
+    data-parallel peers are those with its pp and tp coordinates."""
     topo, cfg = state.topology, state.config
-    world, rank, tp = topo.world_size, topo.rank, cfg.tp
+    world, rank, tp, pp = topo.world_size, topo.rank, cfg.tp, cfg.pp
+    name = _model_parallel_name(state)
+    asked = " x ".join(f"{n}={v}" for n, v in (("pp", pp), ("tp", tp)) if v > 1)
     if state.inputs.mesh is not None or state.inputs.process_group is not None:
         raise ConfigError(
-            f"PrepConfig.tp={tp}: fprep builds the N-D mesh itself; a mesh or process group "
+            f"PrepConfig.{asked}: fprep builds the N-D mesh itself; a mesh or process group "
             "was also given.",
-            subject="tp",
-            hint="Pass neither (fprep lays out (dp..., tp) from the world), or set tp=1 and "
-            "apply tensor parallelism yourself.",
+            subject=name,
+            hint="Pass neither (fprep lays out (pp, dp..., tp) from the world), or set "
+            f"{name}=1 and apply that parallelism yourself.",
         )
+    model_parallel = pp * tp
     if world == 1:
         raise ConfigError(
-            f"PrepConfig.tp={tp} needs {tp} processes (or a multiple), but this is one "
-            "process: the script was started with plain python, not through a launcher.",
-            subject="tp",
+            f"PrepConfig.{asked} needs {model_parallel} processes (or a multiple), but this is "
+            "one process: the script was started with plain python, not through a launcher.",
+            subject=name,
             hint=f"Launch it with torchrun, one process per device: torchrun "
-            f"--nproc-per-node {tp} train.py (or a multiple of {tp}; 'fprep env' shows the "
-            "topology each process sees).",
+            f"--nproc-per-node {model_parallel} train.py (or a multiple of {model_parallel}; "
+            "'fprep env' shows the topology each process sees).",
         )
-    if world % tp:
+    if world % model_parallel:
         raise ConfigError(
-            f"PrepConfig.tp={tp} does not divide the world size {world}: the product of the "
-            "mesh dims (data-parallel x tp) must equal the world size.",
-            subject="tp",
-            hint=f"Choose tp among the divisors of {world}.",
+            f"PrepConfig.{asked} does not divide the world size {world}: the product of the "
+            f"mesh dims (pp x data-parallel x tp) must equal the world size.",
+            subject=name,
+            hint=f"Choose sizes whose product (pp x tp = {model_parallel}) divides {world}.",
         )
-    dp = world // tp
+    dp = world // model_parallel
     if cfg.strategy == "hsdp":
         shard = cfg.hsdp_shard_size or max(1, topo.local_world_size // tp)
         if dp % shard:
             raise ConfigError(
                 f"hsdp shards over groups of {shard} ranks, which does not divide the "
-                f"{dp} data-parallel ranks (world {world} / tp {tp}).",
+                f"{dp} data-parallel ranks (world {world} / {asked.replace('=', ' ')}).",
                 subject="hsdp_shard_size",
-                hint="Choose hsdp_shard_size as a divisor of world_size / tp.",
+                hint="Choose hsdp_shard_size as a divisor of the data-parallel ranks.",
             )
         return MeshPlan(
             world_size=world,
             rank=rank,
+            pp=pp,
             dp_replicate=dp // shard,
             dp_shard=shard,
             tp=tp,
             dp_mesh_names=HSDP_DIM_NAMES,
         )
-    return MeshPlan(world_size=world, rank=rank, dp_shard=dp, tp=tp)
+    return MeshPlan(world_size=world, rank=rank, pp=pp, dp_shard=dp, tp=tp)
 
 
 @transition
@@ -193,8 +205,8 @@ def init_process_group(state: PrepState) -> PrepState:
             subject="local_world_size",
             hint="Launch the same number of processes on every node.",
         )
-    if cfg.tp > 1:
-        return state.replace(process_group=_state_of(_beside_tp(state)))
+    if cfg.tp > 1 or cfg.pp > 1:
+        return state.replace(process_group=_state_of(_beside_model_parallel(state)))
     if mesh is not None:
         layout = _from_mesh(mesh, rank, world, cfg.strategy, cfg.hsdp_shard_size)
         return state.replace(process_group=_state_of(layout))

@@ -1,0 +1,133 @@
+"""``pipeline_step``: one training step's forward and backward under pipeline parallelism.
+
+The schedule (``PrepConfig.pp_schedule``) cuts the batch into ``pp_microbatches`` micro-batches,
+runs each stage's forward and backward on them in its order, and leaves every stage's gradients
+those of the whole batch's mean loss: torch's schedules divide each stage's gradients by the
+number of micro-batches, so a loss that is a mean over its micro-batch gives the gradient of the
+mean over the batch (micro-batches of equal size: the batch must divide). The optimizer step,
+clipping (``fprep.clip_grad_norm``: one norm over every stage) and checkpoints are the usual
+calls.
+
+Every rank calls it with the same batch: the first stage reads ``inputs``, the last stage
+``targets``, the others use them only to check that the batch keeps its shape (the activation
+shapes each stage receives are fixed at the first step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fprep.apply.pipeline_stages import pipeline_plan
+from fprep.apply.steps import handles_of
+from fprep.collectives import collective
+from fprep.errors import ConfigError, PrepareError
+from fprep.state import PrepState
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_SHAPE_KEY = "batch_shape"
+
+
+def _schedule(state: PrepState, loss_fn: LossFn) -> Any:
+    """The schedule for ``loss_fn``, built on first use and kept with the handles."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    handles = handles_of(state)
+    cache = handles.schedules
+    if cache is None:
+        raise PrepareError(
+            "pipeline_step needs the model prepare returned under pp > 1.",
+            subject="state",
+            hint="Pass the state and model fprep.prepare returned.",
+        )
+    found = cache.get(id(loss_fn))
+    if found is not None and found[0] is loss_fn:
+        return found[1]
+    plan = pipeline_plan(state, "fprep.pipeline_step")
+    cls = get_schedule_class(plan.schedule)
+    stages = handles.pipeline_stages
+    chosen = stages[0] if len(stages) == 1 and plan.schedule in ("GPipe", "1F1B") else list(stages)
+    schedule = cls(chosen, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=True)
+    cache[id(loss_fn)] = (loss_fn, schedule)
+    return schedule
+
+
+def _batch_rows(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(
+            f"pipeline_step's {name} must be a tensor (batch first); got "
+            f"{type(value).__qualname__}.",
+            subject=name,
+            hint="Pass the batch's input tensor and target tensor.",
+        )
+    if value.ndim == 0:
+        raise ConfigError(
+            f"pipeline_step's {name} is a 0-d tensor; it needs a batch dimension first.",
+            subject=name,
+        )
+    return tuple(value.shape)
+
+
+def pipeline_step(
+    state: PrepState,
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+) -> torch.Tensor | None:
+    """Run one pipelined forward and backward over the batch; call it on every rank.
+
+    Returns the batch's mean loss (the mean of the micro-batches' losses, detached) on the
+    ranks that run the last stage, and ``None`` on the others (the loss is known only there;
+    ``fprep.gather`` or a broadcast from the last stage shares it). ``loss_fn(output, target)``
+    runs on the last stage for each micro-batch and should return that micro-batch's mean loss.
+    """
+    plan = pipeline_plan(state, "fprep.pipeline_step")
+    handles = handles_of(state)
+    if not handles.stage_modules:
+        raise PrepareError(
+            "pipeline_step needs the model prepare returned under pp > 1.",
+            subject="model",
+            hint="Pass the state and model fprep.prepare returned.",
+        )
+    shape = _batch_rows(inputs, "inputs")
+    target_shape = _batch_rows(targets, "targets")
+    if shape[0] != target_shape[0]:
+        raise ConfigError(
+            f"inputs have {shape[0]} rows but targets {target_shape[0]}.",
+            subject="targets",
+            hint="Pass the targets of the same batch.",
+        )
+    if shape[0] % plan.microbatches:
+        raise ConfigError(
+            f"a batch of {shape[0]} rows does not divide into pp_microbatches="
+            f"{plan.microbatches} equal micro-batches (unequal ones would weigh rows unequally "
+            "in the mean loss).",
+            subject="pp_microbatches",
+            hint=f"Use a batch size that is a multiple of {plan.microbatches} (or change "
+            "pp_microbatches).",
+        )
+    known = handles.schedules.get(_SHAPE_KEY) if handles.schedules is not None else None
+    if known is not None and known != (shape, target_shape):
+        raise ConfigError(
+            f"the batch changed shape from {known[0]} to {shape}: each pipeline stage sized "
+            "the activations it receives at the first step.",
+            subject="inputs",
+            hint="Keep every batch the same shape (drop_last=True, or pad the last batch).",
+        )
+    schedule = _schedule(state, loss_fn)
+    handles.schedules[_SHAPE_KEY] = (shape, target_shape)
+    args = (inputs.to(handles.device),) if plan.holds_first else ()
+    kwargs: dict[str, Any] = {}
+    losses: list[torch.Tensor] = []
+    if plan.holds_last:
+        kwargs = {"target": targets.to(handles.device), "losses": losses}
+    with collective("fprep.pipeline_step", state.config.timeout_s, arrive=False):
+        schedule.step(*args, **kwargs)
+    if not plan.holds_last:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).mean()
