@@ -26,6 +26,9 @@ FIELD: dict[str, str] = {name: name.removeprefix("init_") for name in TRANSITION
 #: What each transition reads (the sub-states it must refuse to run without).
 PREREQUISITES: dict[str, frozenset[str]] = {
     "init_process_group": frozenset(),
+    # with pp=1 (what the generated configs ask) it plans nothing and reads nothing; with
+    # pp > 1 it reads init_process_group and must run before the rest (tests/test_pipeline_plan.py)
+    "init_pipeline": frozenset(),
     "init_ignored": frozenset(),
     "init_device": frozenset({"init_ignored"}),
     "init_buffers": frozenset(),

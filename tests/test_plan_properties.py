@@ -1,4 +1,4 @@
-"""The composed plan: the ten transitions in order, and properties no single transition has."""
+"""The composed plan: the transitions in order, and properties no single transition has."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_transitions_are_idempotent_on_a_complete_plan(state: PrepState) -> None
     assert state.extension is not None and state.tensor_parallel is state.extension.tensor_parallel
     for name, transition in TRANSITIONS.items():
         assert transition(state) == Success(state), name
-    assert [FIELD[name] for name in TRANSITIONS] == list(SUBSTATES)
+    # init_pipeline writes its sub-state only under pp > 1 (tests/test_pipeline_plan.py)
+    assert [FIELD[name] for name in TRANSITIONS if name != "init_pipeline"] == list(SUBSTATES)
 
 
 def _simulate(order: list[str]) -> str | None:

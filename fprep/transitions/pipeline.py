@@ -207,7 +207,10 @@ def init_pipeline(state: PrepState) -> PrepState:
     if cfg.pp == 1:
         return state
     pg = need(state.process_group, "init_process_group", "init_pipeline")
-    tree = state.tree
+    # planned again (a custom chain may): split the whole model, not the part planned before
+    tree = (
+        state.pipeline.whole if state.pipeline is not None and state.pipeline.whole else state.tree
+    )
     order = tree.pp_plan
     if order is None:
         raise ModelError(
