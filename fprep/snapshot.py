@@ -43,6 +43,11 @@ _REPLICATED_MARKERS = ("torch.nn.parallel.distributed.DistributedDataParallel",)
 #: ``nn.Module.forward`` of a class that does not define one (ModuleList, ModuleDict, ...).
 _UNIMPLEMENTED_FORWARD = nn.Module.forward
 
+#: The class of the pass-through that stands in for another pipeline stage's module
+#: (``fprep.apply.pipeline_stages.StageGap``; a rank's part of the model has one per module
+#: another stage holds).
+STAGE_GAP_CLS = "fprep.apply.pipeline_stages.StageGap"
+
 #: Attribute that ``prepare`` sets on a model it has prepared (so a second prepare is refused).
 PREPARED_ATTR = "_fprep_prepared"
 
@@ -179,6 +184,11 @@ class ModuleInfo:
         if "." in qualified_or_bare:
             return qualified_or_bare in names
         return any(n.rpartition(".")[2] == qualified_or_bare for n in names)
+
+    @property
+    def is_stage_gap(self) -> bool:
+        """A pass-through standing in for another pipeline stage's module (see STAGE_GAP_CLS)."""
+        return self.cls == STAGE_GAP_CLS
 
     @property
     def can_run_forward(self) -> bool:

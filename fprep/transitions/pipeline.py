@@ -25,12 +25,10 @@ import dataclasses
 
 from fprep.errors import ConfigError, ModelError
 from fprep.layout import stages as layout
-from fprep.snapshot import ModuleInfo, ModuleTree, is_within
+from fprep.snapshot import STAGE_GAP_CLS, ModuleInfo, ModuleTree, is_within
 from fprep.state import PipelineState, PrepState, need
 from fprep.transitions._base import transition
 
-#: The class of the pass-through that stands in for another stage's module (fprep.apply).
-STAGE_GAP_CLS = "fprep.apply.pipeline_stages.StageGap"
 _GAP_MRO = (STAGE_GAP_CLS, "torch.nn.modules.module.Module")
 
 #: Schedules that split backward into input and weight gradients; torch runs them eagerly only.

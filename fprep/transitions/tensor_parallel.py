@@ -37,13 +37,23 @@ def _plan_pairs(state: PrepState) -> tuple[tuple[tuple[str, str], ...], str]:
 
 
 def match_modules(
-    tree: ModuleTree, pairs: tuple[tuple[str, str], ...], field: str = "tp_plan"
+    tree: ModuleTree,
+    pairs: tuple[tuple[str, str], ...],
+    field: str = "tp_plan",
+    whole: ModuleTree | None = None,
 ) -> tuple[tuple[str, str], ...]:
-    """``(module FQN, style)`` for every module a pattern matches, in pre-order."""
+    """``(module FQN, style)`` for every module a pattern matches, in pre-order.
+
+    Under pipeline parallelism ``tree`` is this rank's part and ``whole`` the whole model: a
+    pattern must match a module of the whole model, and matches on this part only the modules
+    this rank holds (another stage's modules are pass-throughs here, or gone).
+    """
     chosen: dict[str, tuple[str, str]] = {}  # fqn -> (pattern, style)
     for pattern, style in pairs:
         rx = pattern_regex(pattern)
-        hits = [m.fqn for m in tree.modules[1:] if rx.fullmatch(m.fqn)]
+        hits = [m.fqn for m in tree.modules[1:] if rx.fullmatch(m.fqn) and not m.is_stage_gap]
+        if not hits and whole is not None and any(rx.fullmatch(m.fqn) for m in whole.modules):
+            continue  # another stage's modules
         if not hits:
             raise ConfigError(
                 f"PrepConfig.{field} pattern {pattern!r} ({style!r}) matches no module of "
@@ -197,7 +207,7 @@ def plan_tensor_parallel(
         return None
     _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
-    modules = match_modules(tree, pairs)
+    modules = match_modules(tree, pairs, whole=state.pipeline.whole if state.pipeline else None)
     adapters = AdapterLayout.of(tree)
     if adapters is not None:  # peft: the styles of wrapped layers go to their parts
         modules = adapters.tensor_parallel(tree, modules, sequence=cfg.sequence_parallel)

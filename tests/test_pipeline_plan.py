@@ -1,0 +1,284 @@
+"""init_pipeline: the split, each rank's stages and part of the model, and every refusal, planned
+for any world size without a process (pure; the runs are in tests/test_pipeline.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import transformers as tf
+from _tiny_transformers import meta_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from torch import nn
+
+import fprep
+from fprep.config import PipelineSchedule
+from fprep.layout.stages import SCHEDULES, V_SCHEDULES, stages_of_rank
+from fprep.snapshot import STAGE_GAP_CLS, ModuleTree
+from fprep.testing.models import GPT, GPTConfig, LlamaConfig, llama
+
+SCHEDULE_NAMES: tuple[str, ...] = PipelineSchedule.__args__  # type: ignore[attr-defined]
+
+
+def tiny(layers: int = 6, **config: object) -> nn.Module:
+    return llama(LlamaConfig(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, **config))  # type: ignore[arg-type]
+
+
+def planned(
+    model: nn.Module | ModuleTree, world: int, rank: int, **fields: object
+) -> fprep.PrepState:
+    result = fprep.plan(
+        model, fprep.PrepConfig(**fields), fprep.Topology(world_size=world, rank=rank)
+    )  # type: ignore[arg-type]
+    assert isinstance(result, Success), result
+    return result.unwrap()
+
+
+def refused(model: nn.Module, world: int = 2, **fields: object) -> fprep.PrepError:
+    result = fprep.plan(model, fprep.PrepConfig(**fields), fprep.Topology(world_size=world, rank=0))  # type: ignore[arg-type]
+    assert isinstance(result, Failure), result
+    error = result.failure()
+    assert isinstance(error, fprep.PrepError)
+    return error
+
+
+def test_the_schedules_pp_schedule_accepts_are_the_layout_rooms() -> None:
+    assert set(SCHEDULE_NAMES) == set(SCHEDULES)
+
+
+def test_llama_splits_by_torchtitans_rule_under_its_own_names() -> None:
+    state = planned(tiny(6), 2, 1, pp=2)
+    plan = state.pipeline
+    assert plan is not None and plan.source == "model"
+    assert plan.split == (
+        ("tok_embeddings", "layers.0", "layers.1", "layers.2"),
+        ("layers.3", "layers.4", "layers.5", "norm", "output"),
+    )
+    assert plan.stages == (1,) and plan.holds_last and not plan.holds_first
+    assert plan.microbatches == 2  # one per stage by default
+    # rank 1's part: its stage's modules under their own names, a pass-through for the rest
+    tree = state.tree
+    assert {p.fqn.split(".")[0] for p in tree.params} == {"layers", "norm", "output"}
+    assert tree.module("layers.0").cls == STAGE_GAP_CLS  # type: ignore[union-attr]
+    assert tree.module("tok_embeddings").is_stage_gap  # type: ignore[union-attr]
+    assert tree.module("layers.3.attention.wq") is not None
+    # every later transition planned the part only
+    assert state.param_handles is not None
+    assert {s.fqn for s in state.param_handles.specs} == {p.fqn for p in tree.params}
+
+
+def test_transformers_llama_splits_by_its_base_model_pp_plan() -> None:
+    model = meta_llama(num_hidden_layers=4)
+    plan = planned(model, 4, 0, pp=4).pipeline
+    assert plan is not None
+    # 4 layers + embedding + head = 6 weighted layers on 4 stages: 2, 2, 1, 1
+    assert plan.split == (
+        ("model.embed_tokens", "model.layers.0"),
+        ("model.layers.1", "model.layers.2"),
+        ("model.layers.3",),
+        ("model.norm", "lm_head"),
+    )
+    # the rotary embedding has no parameters and no stage: every stage keeps it
+    assert plan.shared == ("model.rotary_emb",)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 12),
+    pp=st.integers(2, 4),
+    dp=st.integers(1, 2),
+    schedule=st.sampled_from(SCHEDULES),
+    per_rank=st.integers(1, 3),
+)
+def test_the_parts_of_every_rank_cover_the_model_once(
+    layers: int, pp: int, dp: int, schedule: str, per_rank: int
+) -> None:
+    if schedule in V_SCHEDULES:
+        per_rank = 2
+    tree = ModuleTree.of(tiny(layers))
+    world = pp * dp
+    results = [
+        fprep.plan(
+            tree,
+            fprep.PrepConfig(pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank),  # type: ignore[arg-type]
+            fprep.Topology(world_size=world, rank=r),
+        )
+        for r in range(world)
+    ]
+    if any(isinstance(r, Failure) for r in results):
+        # only one reason: more stages than the layers plus embedding and head
+        errors = {r.failure().subject for r in results if isinstance(r, Failure)}
+        assert errors == {"pp"}
+        assert len(results[0].failure().message) > 0
+        return
+    states = [r.unwrap() for r in results]
+    whole = {p.fqn for p in tree.params}
+    for dp_rank in range(dp):
+        held: list[str] = []
+        for pp_rank in range(pp):
+            state = states[pp_rank * dp + dp_rank]  # pp outermost: blocks of dp ranks
+            plan = state.pipeline
+            assert plan is not None
+            assert plan.rank == pp_rank
+            assert plan.stages == stages_of_rank(pp_rank, pp, schedule, per_rank)
+            held += [p.fqn for p in state.tree.params]
+        assert sorted(held) == sorted(whole)  # each parameter on exactly one pipeline rank
+    for state in states:
+        assert state.pipeline is not None and state.pipeline.split == states[0].pipeline.split  # type: ignore[union-attr]
+
+
+def test_a_user_split_is_checked_against_the_forward() -> None:
+    model = tiny(4)
+    good = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+    plan = planned(model, 2, 0, pp=2, pp_split=good).pipeline
+    assert plan is not None and plan.source == "config" and plan.split[0][-1] == "layers.1"
+    cases = {
+        "inside a block": [["tok_embeddings", "layers.0.attention"], ["layers.1", "norm"]],
+        "out of order": [
+            ["layers.0", "tok_embeddings", "layers.1"],
+            ["layers.2", "layers.3", "norm", "output"],
+        ],
+        "left out": [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "norm", "output"]],
+        "three stages for two": [
+            ["tok_embeddings", "layers.0"],
+            ["layers.1", "layers.2"],
+            ["layers.3", "norm", "output"],
+        ],
+    }
+    for why, split in cases.items():
+        error = refused(model, pp=2, pp_split=split)
+        assert error.subject == "pp_split", why
+    assert "cut" in refused(model, pp=2, pp_split=cases["inside a block"]).message
+    assert "layers.3" in refused(model, pp=2, pp_split=cases["left out"]).message
+
+
+def test_a_model_without_a_pipeline_plan_is_refused() -> None:
+    # GPT adds position embeddings to the token embeddings in its forward: a pass-through for
+    # wte on a later stage would add them to the hidden states again, silently wrong.
+    error = refused(GPT(GPTConfig()), pp=2)
+    assert isinstance(error, fprep.ModelError) and error.subject == "pp"
+    assert "_pp_plan" in error.hint
+
+
+def test_tied_embeddings_across_stages_are_refused() -> None:
+    error = refused(tiny(4, tie_embeddings=True), pp=2)
+    assert isinstance(error, fprep.ModelError)
+    assert "tok_embeddings.weight" in error.message and "Untie" in error.hint
+
+
+@pytest.mark.parametrize(
+    ("fields", "subject", "words"),
+    [
+        ({"pp_microbatches": 1}, "pp_microbatches", "at least as many micro-batches"),
+        ({"pp_schedule": "Interleaved1F1B", "pp_microbatches": 5}, "pp_microbatches", "rounds"),
+        ({"pp_schedule": "ZBVZeroBubble", "pp_microbatches": 3}, "pp_microbatches", "at least"),
+        ({"pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3}, "pp_stages_per_rank", "two"),
+        (
+            {"pp_schedule": "DualPipeV", "compile": "regional", "wrap": ("LlamaBlock",)},
+            "compile",
+            "zero-bubble",
+        ),
+        ({"strategy": "ddp"}, "strategy", "pipeline stages with FSDP2"),
+    ],
+)
+def test_what_a_schedule_cannot_run_is_refused_by_its_field(
+    fields: dict[str, object], subject: str, words: str
+) -> None:
+    world = 4 if fields.get("strategy") == "ddp" else 2
+    error = refused(tiny(6), world, pp=2, **fields)
+    assert error.subject == subject and words in error.message, error
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    error = refused(tiny(1), 4, pp=4)
+    assert error.subject == "pp" and "some stage would hold nothing" in error.message
+
+
+def test_the_world_must_hold_the_pipeline() -> None:
+    assert refused(tiny(4), 1, pp=2).subject == "pp"  # one process: launch with torchrun
+    error = refused(tiny(4), 3, pp=2)
+    assert error.subject == "pp" and "divide" in error.message
+    with pytest.raises(fprep.ConfigError, match="pp=1"):
+        fprep.PrepConfig(pp_split=[["a"], ["b"]])
+
+
+def test_pp_with_dp_and_tp_lays_out_one_mesh() -> None:
+    # 8 ranks: pp 2 x dp 2 x tp 2, pp outermost, tp innermost (torchtitan's order)
+    for rank in range(8):
+        state = planned(tiny(4), 8, rank, pp=2, tp=2)
+        mesh = state.process_group.mesh  # type: ignore[union-attr]
+        assert (mesh.pp, mesh.dp_shard, mesh.tp) == (2, 2, 2)
+        assert mesh.coordinate("pp") == rank // 4 and mesh.coordinate("tp") == rank % 2
+        assert state.core.strategy == "fsdp"  # type: ignore[union-attr]
+        assert state.pipeline.stages == (rank // 4,)  # type: ignore[union-attr]
+        tps = state.tensor_parallel
+        assert tps is not None
+        # the tp plan names 'output'; on stage 0 it is another stage's module, not refused
+        styled = {fqn for fqn, _ in tps.modules}
+        assert ("output" in styled) == (rank >= 4)
+        assert ("tok_embeddings" in styled) == (rank < 4)
+
+
+def test_pp_alone_keeps_parameters_gathered_between_microbatches() -> None:
+    core = planned(tiny(4), 4, 0, pp=2).core
+    assert core is not None and core.strategy == "fsdp" and core.reshard_after_forward is False
+    assert any("micro-batch" in note for note in core.notes)
+    explicit = planned(tiny(4), 4, 0, pp=2, reshard_after_forward=True).core
+    assert explicit is not None and explicit.reshard_after_forward is True
+
+
+def test_planning_again_splits_the_whole_model() -> None:
+    state = planned(tiny(4), 2, 1, pp=2)
+    again = fprep.init_pipeline(state)
+    assert isinstance(again, Success) and again.unwrap() == state
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    pp=st.integers(1, 5),
+    world=st.integers(1, 12),
+    schedule=st.sampled_from(SCHEDULES),
+    microbatches=st.none() | st.integers(1, 12),
+    layers=st.integers(1, 6),
+)
+def test_any_pipeline_request_is_planned_or_refused_as_a_value(
+    pp: int, world: int, schedule: str, microbatches: int | None, layers: int
+) -> None:
+    try:
+        cfg = fprep.PrepConfig(pp=pp, pp_schedule=schedule, pp_microbatches=microbatches)  # type: ignore[arg-type]
+    except fprep.ConfigError as e:
+        assert e.subject == "pp_microbatches" and pp == 1
+        return
+    result = fprep.plan(tiny(layers), cfg, fprep.Topology(world_size=world, rank=world - 1))
+    if isinstance(result, Failure):
+        error = result.failure()
+        assert isinstance(error, fprep.PrepError) and not isinstance(error, fprep.PlanOrderError)
+        fields = {f.name for f in dataclasses.fields(fprep.PrepConfig)}
+        assert error.subject in fields, error
+    else:
+        state = result.unwrap()
+        assert state.is_complete and (state.pipeline is None) == (pp == 1)
+
+
+def test_transformers_qwen2_parts_hold_their_layers() -> None:
+    with pytest.MonkeyPatch.context():
+        import torch
+
+        with torch.device("meta"):
+            model = tf.Qwen2ForCausalLM(
+                tf.Qwen2Config(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=3,
+                    vocab_size=64,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    tie_word_embeddings=False,
+                )
+            )
+    last = planned(model, 2, 1, pp=2)
+    names = {p.fqn for p in last.tree.params}
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    assert any(n.startswith("model.layers.2.") for n in names)
