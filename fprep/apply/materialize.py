@@ -223,6 +223,10 @@ def materialize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
     # ranks of a tp group compute blocks of the same full tensors.
     mesh_groups: list[Any] = []
     tp_mesh = live.world_mesh
+    if tp_mesh is not None and live.pp_mesh is not None:
+        # under pp, the ranks of one stage: other stages materialize other modules
+        names = tuple(n for n in tp_mesh.mesh_dim_names if n != "pp")
+        tp_mesh = tp_mesh[names[0] if len(names) == 1 else names]
     talk = tp_mesh is not None or (core.is_sharded and pg.world_size > 1)
     if talk and not cfg.sync_module_states:
         mesh = tp_mesh if tp_mesh is not None else live.mesh

@@ -40,11 +40,24 @@ def _weights(state: PrepState, sharded: bool) -> WeightsPlan | None:
         missing_keys=cfg.weights_missing_keys,
         whole=ignored.params,
         shard=shard,
+        other_stages=_other_stages(state),
     )
     tps = state.tensor_parallel
     if tps is None:
         return plan
     return tp_weights(plan, snapshot, dict(tps.params), tps.size, tps.rank, shard)
+
+
+def _other_stages(state: PrepState) -> frozenset[str]:
+    """Under pipeline parallelism: the names of the tensors other stages hold (their ranks
+    read them; this one leaves them in the files)."""
+    plan = state.pipeline
+    if plan is None or plan.whole is None:
+        return frozenset()
+    mine = {n for p in state.tree.params for n in p.names} | {b.fqn for b in state.tree.buffers}
+    whole = plan.whole
+    every = {n for p in whole.params for n in p.names} | {b.fqn for b in whole.buffers}
+    return frozenset(every - mine)
 
 
 @transition

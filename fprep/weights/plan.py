@@ -100,10 +100,12 @@ def plan_weights(
     missing_keys: tuple[str, ...] = (),
     whole: Iterable[str] = (),
     shard: tuple[int, int] | None = None,
+    other_stages: Iterable[str] = (),
 ) -> WeightsPlan:
     """Match ``weights`` against ``tree``; raise ``CheckpointError`` for anything that does not
     fit. ``shard``: ``(shard group size, this rank's index)`` when parameters are sharded on dim
-    0; ``whole``: parameters kept whole all the same (ignored ones).
+    0; ``whole``: parameters kept whole all the same (ignored ones); ``other_stages``: the
+    model's tensors other pipeline stages hold (not read here, and not unexpected).
 
     A peft model (``fprep.adapters``) reads its base model's checkpoint: each name is looked up
     as the base model names it, and the adapters, which no base checkpoint holds, are left to
@@ -158,7 +160,8 @@ def plan_weights(
             "model's state_dict keys), or allow them with PrepConfig(weights_missing_keys=...) "
             "to initialize them as without weights.",
         )
-    unexpected = [t for t in weights.tensors if t.key not in used]
+    theirs = {key_of(n) for n in other_stages}
+    unexpected = [t for t in weights.tensors if t.key not in used and t.key not in theirs]
     refused = [t for t in unexpected if not _matches(t.key, extra_keys)]
     if refused:
         raise CheckpointError(

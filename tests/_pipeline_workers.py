@@ -1,0 +1,141 @@
+"""Rank functions for tests/test_pipeline.py: training under pipeline parallelism, one spawned
+job per world size running several cases, each compared by the parent with one process.
+
+A case is ``(name, model kind, PrepConfig fields, weights directory or None)``. Each rank trains
+``STEPS`` SGD steps with ``fprep.pipeline_step`` and ``fprep.clip_grad_norm`` on the batches of
+``batches()`` (its data-parallel share of each), and returns per step the loss (where it is
+known), the norm, and the full gradient of every parameter it holds, then its parameters after
+the last step. Gradients under FSDP / tp are DTensors: ``full_tensor`` gathers them over the
+rank's stage (every rank of a stage holds the same parameters, in the same order).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as tf
+from torch import nn
+
+import fprep
+from fprep.testing.models import LlamaConfig, llama, lm_loss, synthetic_batches
+
+STEPS = 2
+BATCH = 8
+SEQ = 8
+VOCAB = 64
+LR = 0.1
+MAX_NORM = 1.0
+
+Case = tuple[str, str, dict[str, Any], str | None]
+
+
+def build(kind: str, device: str = "cpu") -> nn.Module:
+    """The model of ``kind``, with the same weights in every process (seeded)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        if kind == "llama":
+            return llama(
+                LlamaConfig(
+                    dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=VOCAB
+                ),
+                device=device,
+                seed=None if device == "meta" else 0,
+            )
+        common: dict[str, Any] = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            vocab_size=VOCAB,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+        if kind == "hf_llama":
+            return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+        if kind == "hf_qwen2":
+            return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    raise ValueError(kind)
+
+
+def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(synthetic_batches(STEPS, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB, seed=1))
+
+
+def save(kind: str, directory: Path) -> str:
+    """The seeded model's weights as transformers saves them (several files)."""
+    build(kind).save_pretrained(directory, max_shard_size="20KB")  # type: ignore[operator]
+    return str(directory)
+
+
+def _full(t: torch.Tensor) -> np.ndarray:
+    whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return whole.detach().to(torch.float32).numpy().copy()
+
+
+def reference(kind: str) -> dict[str, Any]:
+    """One process: the whole batch, the mean loss, torch's clipping, SGD."""
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    steps = []
+    for x, y in batches():
+        loss = lm_loss(logits_of(model, x), y)
+        loss.backward()
+        grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        steps.append({"loss": loss.item(), "norm": norm.item(), "grads": grads})
+    return {"steps": steps, "params": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def train(case: Case) -> dict[str, Any]:
+    name, kind, fields, weights = case
+    model = build(kind, "meta" if weights else "cpu")
+    cfg = fprep.PrepConfig(**fields, **({"weights": weights} if weights else {}))
+    state, prepared = fprep.prepare(model, cfg)
+    opt = torch.optim.SGD(prepared.parameters(), lr=LR)
+    share, shares = fprep.process_index(state), fprep.num_processes(state)
+    steps = []
+    for x, y in batches():
+        rows = BATCH // shares
+        xs, ys = x[share * rows : (share + 1) * rows], y[share * rows : (share + 1) * rows]
+        loss = fprep.pipeline_step(state, prepared, xs, ys, lm_loss)
+        grads = {n: _full(p.grad) for n, p in prepared.named_parameters() if p.grad is not None}
+        norm = fprep.clip_grad_norm(state, prepared, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        steps.append(
+            {"loss": None if loss is None else loss.item(), "norm": norm.item(), "grads": grads}
+        )
+    plan = state.pipeline
+    assert plan is not None
+    return {
+        "name": name,
+        "stages": plan.stages,
+        "shares": shares,
+        "steps": steps,
+        "params": {n: _full(p) for n, p in prepared.named_parameters()},
+        "calling": _call_refused(prepared),
+    }
+
+
+def _call_refused(model: nn.Module) -> str:
+    try:
+        model(torch.zeros(1, 1, dtype=torch.long))
+    except fprep.PrepError as e:
+        return type(e).__name__ + ": " + e.hint
+    return "ran"
+
+
+def run(cases: list[Case]) -> list[dict[str, Any]]:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return [train(case) for case in cases]

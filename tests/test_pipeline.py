@@ -1,0 +1,118 @@
+"""Pipeline parallelism trained for real (gloo, CPU), against one process: every schedule at pp 2,
+pp 2 x dp 2 and pp 2 x tp 2 on 4 ranks, pp 2 x dp 2 x tp 2 on 8; fprep's Llama and transformers'
+Llama / Qwen2, with ``weights=`` read by each stage. Losses, clipped norms, every gradient and
+the parameters after SGD steps equal the single-process run within 1e-5."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import _pipeline_workers as W
+import numpy as np
+import pytest
+
+from fprep.layout.stages import SCHEDULES
+from fprep.testing.distributed import run_ranks
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("pp_weights")
+    return {kind: W.save(kind, root / kind) for kind in ("hf_llama", "hf_qwen2")}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Any]:
+    return {kind: W.reference(kind) for kind in ("llama", "hf_llama", "hf_qwen2")}
+
+
+def _cases_2(weights: dict[str, str]) -> list[W.Case]:
+    cases: list[W.Case] = [
+        (f"llama_{schedule}", "llama", {"pp": 2, "pp_schedule": schedule}, None)
+        for schedule in SCHEDULES
+    ]
+    cases.append(("hf_llama_weights", "hf_llama", {"pp": 2}, weights["hf_llama"]))
+    return cases
+
+
+def _cases_4(weights: dict[str, str]) -> list[W.Case]:
+    return [
+        (
+            "llama_pp2_dp2_interleaved",
+            "llama",
+            {"pp": 2, "pp_schedule": "Interleaved1F1B", "wrap": ("LlamaBlock",)},
+            None,
+        ),
+        ("hf_qwen2_pp2_tp2_weights", "hf_qwen2", {"pp": 2, "tp": 2}, weights["hf_qwen2"]),
+    ]
+
+
+def _cases_8(weights: dict[str, str]) -> list[W.Case]:
+    return [("hf_llama_pp2_dp2_tp2_weights", "hf_llama", {"pp": 2, "tp": 2}, weights["hf_llama"])]
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
+def ranks(request: pytest.FixtureRequest, weights: dict[str, str]) -> tuple[int, list[Any]]:
+    world = request.param
+    cases = {2: _cases_2, 4: _cases_4, 8: _cases_8}[world](weights)
+    return world, run_ranks(W.run, world, cases, timeout_s=1500)
+
+
+def _kind(name: str) -> str:
+    return (
+        "hf_llama"
+        if name.startswith("hf_llama")
+        else "hf_qwen2"
+        if name.startswith("hf_qwen2")
+        else "llama"
+    )
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max()) if got.size else 0.0
+
+
+def test_training_equals_one_process(
+    ranks: tuple[int, list[Any]], references: dict[str, Any]
+) -> None:
+    world, results = ranks
+    for index, first in enumerate(results[0]):
+        name = first["name"]
+        ref = references[_kind(name)]
+        per_rank = [results[r][index] for r in range(world)]
+        for step, want in enumerate(ref["steps"]):
+            losses = [
+                r["steps"][step]["loss"] for r in per_rank if r["steps"][step]["loss"] is not None
+            ]
+            # the loss is known on the ranks of the last stage, one per data-parallel x tp rank
+            assert losses, name
+            shares = first["shares"]
+            if shares == 1:
+                for loss in losses:
+                    assert abs(loss - want["loss"]) < TOL, (name, step)
+            else:  # each dp rank's loss is the mean over its share: their mean is the batch's
+                mean = float(np.mean(losses))
+                assert abs(mean - want["loss"]) < TOL, (name, step)
+            for r in per_rank:
+                assert abs(r["steps"][step]["norm"] - want["norm"]) < TOL * max(1.0, want["norm"])
+                for fqn, grad in r["steps"][step]["grads"].items():
+                    assert _close(grad, want["grads"][fqn]) < TOL, (name, step, fqn)
+        held: set[str] = set()
+        for r in per_rank:
+            assert r["calling"].startswith("PrepareError") and "pipeline_step" in r["calling"]
+            for fqn, value in r["params"].items():
+                assert _close(value, ref["params"][fqn]) < TOL, (name, fqn)
+                held.add(fqn)
+        assert held == set(ref["params"]), name  # every parameter on some stage, under its name
+
+
+def test_every_schedule_ran(ranks: tuple[int, list[Any]]) -> None:
+    world, results = ranks
+    if world != 2:
+        pytest.skip("the schedules run at pp 2")
+    names = [case["name"] for case in results[0]]
+    assert [n.removeprefix("llama_") for n in names if n.startswith("llama_")] == list(SCHEDULES)
+    v_stages = [case["stages"] for case in results[0] if case["name"] == "llama_ZBVZeroBubble"]
+    assert v_stages == [(0, 3)]  # rank 0 runs the first and the last stage of the V
