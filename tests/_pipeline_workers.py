@@ -1,7 +1,10 @@
 """Rank functions for tests/test_pipeline.py: training under pipeline parallelism, one spawned
 job per world size running several cases, each compared by the parent with one process.
 
-A case is ``(name, model kind, PrepConfig fields, weights directory or None)``. Each rank trains
+A case is ``(name, model kind, PrepConfig fields, source)``: the source of the initial weights
+is ``None`` (built with the same seed in every process), ``"meta"`` (built on the meta device and
+initialized by fprep with ``seed=0``, as one process initializes it) or a ``weights=``
+directory. Each rank trains
 ``STEPS`` SGD steps with ``fprep.pipeline_step`` and ``fprep.clip_grad_norm`` on the batches of
 ``batches()`` (its data-parallel share of each), and returns per step the loss (where it is
 known), the norm, and the full gradient of every parameter it holds, then its parameters after
@@ -81,9 +84,13 @@ def _full(t: torch.Tensor) -> np.ndarray:
     return whole.detach().to(torch.float32).numpy().copy()
 
 
-def reference(kind: str) -> dict[str, Any]:
-    """One process: the whole batch, the mean loss, torch's clipping, SGD."""
-    model = build(kind)
+def reference(kind: str, source: str | None = None) -> dict[str, Any]:
+    """One process: the whole batch, the mean loss, torch's clipping, SGD. ``source="meta"``:
+    from fprep's initialization of the meta model in one process."""
+    if source == "meta":
+        model = fprep.prepare(build(kind, "meta"), fprep.PrepConfig(seed=0))[1]
+    else:
+        model = build(kind)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     steps = []
     for x, y in batches():
@@ -98,9 +105,14 @@ def reference(kind: str) -> dict[str, Any]:
 
 
 def train(case: Case) -> dict[str, Any]:
-    name, kind, fields, weights = case
-    model = build(kind, "meta" if weights else "cpu")
-    cfg = fprep.PrepConfig(**fields, **({"weights": weights} if weights else {}))
+    name, kind, fields, source = case
+    model = build(kind, "meta" if source else "cpu")
+    extra: dict[str, Any] = {}
+    if source == "meta":
+        extra = {"seed": 0}
+    elif source is not None:
+        extra = {"weights": source}
+    cfg = fprep.PrepConfig(**fields, **extra)
     state, prepared = fprep.prepare(model, cfg)
     opt = torch.optim.SGD(prepared.parameters(), lr=LR)
     share, shares = fprep.process_index(state), fprep.num_processes(state)

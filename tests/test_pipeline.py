@@ -24,8 +24,14 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, Any]:
-    return {kind: W.reference(kind) for kind in ("llama", "hf_llama", "hf_qwen2")}
+def references() -> dict[tuple[str, bool], Any]:
+    out = {(kind, False): W.reference(kind) for kind in ("llama", "hf_llama", "hf_qwen2")}
+    out["llama", True] = W.reference("llama", "meta")
+    return out
+
+
+#: Cases whose numerics differ from one fp32 process by design: bf16 compute.
+TOLERANCE = {"llama_bf16": 5e-2}
 
 
 def _cases_2(weights: dict[str, str]) -> list[W.Case]:
@@ -34,6 +40,23 @@ def _cases_2(weights: dict[str, str]) -> list[W.Case]:
         for schedule in SCHEDULES
     ]
     cases.append(("hf_llama_weights", "hf_llama", {"pp": 2}, weights["hf_llama"]))
+    blocks = {"wrap": ("LlamaBlock",)}
+    cases += [
+        # fprep's initialization of a meta model, per stage, equals one process's
+        (
+            "llama_meta_checkpointed",
+            "llama",
+            {"pp": 2, "activation_checkpointing": True, **blocks},
+            "meta",
+        ),
+        (
+            "llama_compiled",
+            "llama",
+            {"pp": 2, "compile": "regional", "compile_backend": "aot_eager", **blocks},
+            None,
+        ),
+        ("llama_bf16", "llama", {"pp": 2, "precision": "bf16", **blocks}, None),
+    ]
     return cases
 
 
@@ -50,7 +73,10 @@ def _cases_4(weights: dict[str, str]) -> list[W.Case]:
 
 
 def _cases_8(weights: dict[str, str]) -> list[W.Case]:
-    return [("hf_llama_pp2_dp2_tp2_weights", "hf_llama", {"pp": 2, "tp": 2}, weights["hf_llama"])]
+    return [
+        ("hf_llama_pp2_dp2_tp2_weights", "hf_llama", {"pp": 2, "tp": 2}, weights["hf_llama"]),
+        ("llama_pp2_hsdp", "llama", {"pp": 2, "strategy": "hsdp", "hsdp_shard_size": 2}, None),
+    ]
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
@@ -80,7 +106,8 @@ def test_training_equals_one_process(
     world, results = ranks
     for index, first in enumerate(results[0]):
         name = first["name"]
-        ref = references[_kind(name)]
+        ref = references[_kind(name), "meta" in name]
+        tol = TOLERANCE.get(name, TOL)
         per_rank = [results[r][index] for r in range(world)]
         for step, want in enumerate(ref["steps"]):
             losses = [
@@ -91,19 +118,19 @@ def test_training_equals_one_process(
             shares = first["shares"]
             if shares == 1:
                 for loss in losses:
-                    assert abs(loss - want["loss"]) < TOL, (name, step)
+                    assert abs(loss - want["loss"]) < tol, (name, step)
             else:  # each dp rank's loss is the mean over its share: their mean is the batch's
                 mean = float(np.mean(losses))
-                assert abs(mean - want["loss"]) < TOL, (name, step)
+                assert abs(mean - want["loss"]) < tol, (name, step)
             for r in per_rank:
-                assert abs(r["steps"][step]["norm"] - want["norm"]) < TOL * max(1.0, want["norm"])
+                assert abs(r["steps"][step]["norm"] - want["norm"]) < tol * max(1.0, want["norm"])
                 for fqn, grad in r["steps"][step]["grads"].items():
-                    assert _close(grad, want["grads"][fqn]) < TOL, (name, step, fqn)
+                    assert _close(grad, want["grads"][fqn]) < tol, (name, step, fqn)
         held: set[str] = set()
         for r in per_rank:
             assert r["calling"].startswith("PrepareError") and "pipeline_step" in r["calling"]
             for fqn, value in r["params"].items():
-                assert _close(value, ref["params"][fqn]) < TOL, (name, fqn)
+                assert _close(value, ref["params"][fqn]) < tol, (name, fqn)
                 held.add(fqn)
         assert held == set(ref["params"]), name  # every parameter on some stage, under its name
 
@@ -113,6 +140,7 @@ def test_every_schedule_ran(ranks: tuple[int, list[Any]]) -> None:
     if world != 2:
         pytest.skip("the schedules run at pp 2")
     names = [case["name"] for case in results[0]]
-    assert [n.removeprefix("llama_") for n in names if n.startswith("llama_")] == list(SCHEDULES)
+    ran = [n.removeprefix("llama_") for n in names if n.removeprefix("llama_") in SCHEDULES]
+    assert ran == list(SCHEDULES)
     v_stages = [case["stages"] for case in results[0] if case["name"] == "llama_ZBVZeroBubble"]
     assert v_stages == [(0, 3)]  # rank 0 runs the first and the last stage of the V

@@ -181,6 +181,10 @@ def test_tied_embeddings_across_stages_are_refused() -> None:
             "zero-bubble",
         ),
         ({"strategy": "ddp"}, "strategy", "pipeline stages with FSDP2"),
+        ({"compile": "whole"}, "compile", "no rank runs the whole model"),
+        ({"activation_checkpointing": True}, "wrap", "never runs"),
+        ({"compile": "regional"}, "wrap", "never runs"),
+        ({"sync_module_states": True}, "sync_module_states", "only the first stage"),
     ],
 )
 def test_what_a_schedule_cannot_run_is_refused_by_its_field(

@@ -15,8 +15,9 @@ coordinate from the mesh record). It decides
 It refuses, before any effect: a model that declares no pipeline plan (its forward might not
 pass activations through a missing module, and a wrong split would train silently wrong), a split
 that cuts inside a block or out of order, a parameter shared by two stages, parameters outside
-every stage, micro-batch counts the schedule cannot run, and compiled stages under the
-zero-bubble schedules.
+every stage, micro-batch counts the schedule cannot run, compiled stages under the zero-bubble
+schedules, and what would act on the whole model, which no rank runs (compile='whole',
+checkpointing or regional compile without wrap=, sync_module_states).
 """
 
 from __future__ import annotations
@@ -199,6 +200,42 @@ def _part(tree: ModuleTree, gaps: tuple[str, ...]) -> ModuleTree:
     )
 
 
+def _check_effects(state: PrepState, tree: ModuleTree, order: tuple[str, ...]) -> None:
+    """Refuse what would act on the model prepare returns, which under pp never runs."""
+    cfg = state.config
+    if cfg.compile == "whole":
+        raise ConfigError(
+            "compile='whole' compiles the model as one graph, but under pp > 1 no rank runs "
+            "the whole model: each runs its stages.",
+            subject="compile",
+            hint="Use compile='regional' with wrap= naming the blocks (each block compiled "
+            "once, as torchtitan compiles them).",
+        )
+    if (cfg.activation_checkpointing or cfg.compile == "regional") and cfg.wrap is None:
+        blocks = [tree.module(c) for n in order for c in _children(tree, n)]
+        name = blocks[0].class_name if blocks and blocks[0] is not None else "Block"
+        field = "activation_checkpointing" if cfg.activation_checkpointing else "compile"
+        raise ConfigError(
+            f"{field} without wrap= would act on the whole model as one region, which under "
+            "pp > 1 never runs (each rank runs its stages).",
+            subject="wrap",
+            hint=f"Name the blocks: wrap=({name!r},) (each block then is a region).",
+        )
+    if cfg.sync_module_states:
+        raise ConfigError(
+            "sync_module_states=True sends rank 0's weights to every rank, but under pp > 1 "
+            "rank 0 holds only the first stage.",
+            subject="sync_module_states",
+            hint="Build the model on the meta device and pass weights= (each stage reads its "
+            "own tensors), or build it with the same seed on every rank.",
+        )
+
+
+def _children(tree: ModuleTree, name: str) -> tuple[str, ...]:
+    info = tree.module(name)
+    return info.children if info is not None and not info.can_run_forward else ()
+
+
 @transition
 def init_pipeline(state: PrepState) -> PrepState:
     cfg = state.config
@@ -229,6 +266,7 @@ def init_pipeline(state: PrepState) -> PrepState:
             subject="compile",
             hint="Use compile='none', or a schedule such as 'Interleaved1F1B' or '1F1B'.",
         )
+    _check_effects(state, tree, order)
     try:
         num_stages = layout.num_stages(cfg.pp, cfg.pp_schedule, cfg.pp_stages_per_rank)
         stages = layout.stages_of_rank(
