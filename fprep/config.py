@@ -21,7 +21,7 @@ from torch import nn
 
 from fprep.config_names import unknown_field
 from fprep.errors import ConfigError
-from fprep.migrate import accelerate_fields, parallelism_fields
+from fprep.migrate import accelerate_fields, distributed_fields, parallelism_fields
 from fprep.snapshot import ModuleInfo
 
 Strategy = Literal["auto", "none", "ddp", "fast_ddp", "fsdp", "hsdp"]
@@ -535,6 +535,13 @@ class PrepConfig(_KeywordsChecked):
         if parallelism is not None:
             fields.update(parallelism_fields(parallelism))
         return cls(**{**fields, **overrides})
+
+    @classmethod
+    def from_transformers(cls, distributed_config: Any, **overrides: Any) -> PrepConfig:
+        """Read transformers' ``DistributedConfig`` (or its dict): ``pp_size``, ``tp_size``,
+        ``fsdp_size``, ``dp_replicate_size``, ``tp_plan``, ``enable_sequence_parallel``,
+        ``fsdp_cpu_offload``, ``fsdp_mixed_precision`` (bf16); see docs/migration.md."""
+        return cls(**{**distributed_fields(distributed_config), **overrides})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrepConfig:

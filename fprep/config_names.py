@@ -18,6 +18,8 @@ _ACCELERATOR = "Accelerate's Accelerator"
 _FSDP_PLUGIN = "Accelerate's FullyShardedDataParallelPlugin"
 _TRAINER = "transformers' TrainingArguments"
 _LIGHTNING = "Lightning's Trainer / Fabric"
+_TITAN = "torchtitan's job config"
+_HF_DIST = "transformers' DistributedConfig"
 
 #: keyword -> (where it comes from, what to do in fprep). ``{value!r}`` is the value given.
 FOREIGN_NAMES: dict[str, tuple[str, str]] = {
@@ -170,6 +172,40 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
         _TRAINER,
         "fprep reads the rank from the launcher (torchrun's variables); see fprep.Topology.",
     ),
+    # torchtitan: [parallelism] section of its job config
+    "pipeline_parallel_degree": (_TITAN, "Write pp={value!r}."),
+    "pipeline_parallel_schedule": (_TITAN, "Write pp_schedule={value!r}."),
+    "pipeline_parallel_microbatch_size": (
+        _TITAN,
+        "fprep counts micro-batches, not their rows: write pp_microbatches=(local batch size "
+        "// {value!r}).",
+    ),
+    "pipeline_parallel_split_points": (
+        _TITAN,
+        "Write pp_split=[[module names of stage 0], [stage 1], ...] (whole stages, not cut "
+        "points).",
+    ),
+    "pipeline_parallel_layers_per_stage": (
+        _TITAN,
+        "fprep spreads the layers by torchtitan's default rule; to choose, write "
+        "pp_split=[[...], ...].",
+    ),
+    "tensor_parallel_degree": (_TITAN, "Write tp={value!r}."),
+    "data_parallel_shard_degree": (
+        _TITAN,
+        "Write strategy='fsdp' (fprep shards over the ranks left after pp and tp).",
+    ),
+    "data_parallel_replicate_degree": (
+        _TITAN,
+        "Write strategy='hsdp' and hsdp_shard_size= (the shard degree).",
+    ),
+    # transformers: DistributedConfig(...) (PrepConfig.from_transformers reads one)
+    "pp_size": (_HF_DIST, "Write pp={value!r}, or PrepConfig.from_transformers(config)."),
+    "tp_size": (_HF_DIST, "Write tp={value!r}, or PrepConfig.from_transformers(config)."),
+    "fsdp_size": (
+        _HF_DIST,
+        "Write strategy='fsdp', or PrepConfig.from_transformers(config).",
+    ),
     # Lightning: Trainer(...) / Fabric(...)
     "accelerator": (_LIGHTNING, "Write device={value!r} (e.g. 'cuda', 'cpu', 'hpu')."),
     "devices": (
@@ -191,6 +227,10 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
         "Convert the model before prepare: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).",
     ),
 }
+
+
+#: Keywords whose values are case-sensitive names (torch's schedule names: '1F1B').
+_CASE_KEPT = frozenset({"pipeline_parallel_schedule"})
 
 
 def _shown(value: object) -> object:
@@ -229,7 +269,7 @@ def unknown_field(owner: str, key: object, value: object, fields: Sequence[str])
         return ConfigError(
             f"{owner} has no field {name!r}; {name} is a keyword of {origin}.",
             subject=name,
-            hint=advice.format(value=_shown(value)),
+            hint=advice.format(value=value if name in _CASE_KEPT else _shown(value)),
         )
     close = difflib.get_close_matches(name, fields, n=3)
     return ConfigError(

@@ -239,3 +239,53 @@ def _fsdp_fields(fsdp: Mapping[str, Any]) -> dict[str, Any]:
     out["sync_module_states"] = _flag(fsdp.get("fsdp_sync_module_states", False))
     out["activation_checkpointing"] = _flag(fsdp.get("fsdp_activation_checkpointing", False))
     return out
+
+
+#: transformers' DistributedConfig fields fprep reads; the others have no fprep equivalent.
+_HF_SIZES = ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
+
+
+def _hf_size(config: Any, name: str) -> int:
+    raw = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    field = f"DistributedConfig.{name}"
+    if raw is None:
+        return 1
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ConfigError(
+            f"{field} must be a whole number of at least 1; got {raw!r}.", subject=name
+        )
+    return raw
+
+
+def _hf_value(config: Any, name: str, default: Any) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def distributed_fields(config: Any) -> dict[str, Any]:
+    """``PrepConfig`` fields from transformers' ``DistributedConfig`` (or its dict): the mesh
+    is the same, pp outermost and tp innermost: ``pp x dp_replicate x fsdp x tp``."""
+    tp, fsdp, rep, pp, ep = (_hf_size(config, n) for n in _HF_SIZES)
+    if ep > 1 or _hf_value(config, "enable_expert_parallel", False):
+        raise ConfigError(
+            f"DistributedConfig.ep_size={ep}: fprep does not run expert parallelism yet.",
+            subject="ep_size",
+            hint="Set ep_size to 1 (experts are then sharded like every other parameter), or "
+            "stay on transformers' own loop for this run.",
+        )
+    out: dict[str, Any] = {"tp": tp, "pp": pp}
+    plan = _hf_value(config, "tp_plan", None)
+    if isinstance(plan, Mapping):
+        out["tp_plan"] = dict(plan)
+    if _hf_value(config, "enable_sequence_parallel", False):
+        out["sequence_parallel"] = True
+    if rep > 1:
+        out.update(strategy="hsdp", hsdp_shard_size=fsdp)
+    elif fsdp > 1:
+        out["strategy"] = "fsdp"
+    if _hf_value(config, "fsdp_cpu_offload", False):
+        out["offload"] = "cpu"
+    if _hf_value(config, "fsdp_mixed_precision", False):
+        out["precision"] = "bf16"
+    return out

@@ -234,3 +234,44 @@ def test_parallelism_refusals_name_the_field(section: dict[str, object], subject
     assert info.value.subject == subject
     if "cp_size" in subject:
         assert "context parallelism yet" in info.value.message
+
+
+# -- transformers' DistributedConfig ---------------------------------------------------------------
+def test_transformers_distributed_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = PrepConfig.from_transformers(
+        DistributedConfig(tp_size=2, pp_size=2, enable_sequence_parallel=True)
+    )
+    assert (cfg.pp, cfg.tp, cfg.sequence_parallel, cfg.strategy) == (2, 2, True, "auto")
+    # transformers refuses FSDP with pp ("not supported yet"); fprep plans it: from its dict
+    both = PrepConfig.from_transformers(
+        {"pp_size": 2, "fsdp_size": 2, "dp_replicate_size": 2, "fsdp_cpu_offload": True},
+        pp_schedule="Interleaved1F1B",
+    )
+    assert (both.pp, both.strategy, both.hsdp_shard_size, both.offload) == (2, "hsdp", 2, "cpu")
+    assert both.pp_schedule == "Interleaved1F1B"
+
+
+def test_transformers_expert_parallelism_is_refused_by_its_field() -> None:
+    with pytest.raises(ConfigError) as caught:
+        PrepConfig.from_transformers({"tp_size": 2, "ep_size": 2})
+    assert caught.value.subject == "ep_size" and "expert parallelism" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "words"),
+    [
+        ("pipeline_parallel_degree", 4, "Write pp=4."),
+        ("pipeline_parallel_schedule", "1F1B", "pp_schedule='1F1B'"),
+        ("pipeline_parallel_microbatch_size", 2, "pp_microbatches=(local batch size // 2)"),
+        ("pp_size", 2, "from_transformers"),
+    ],
+)
+def test_torchtitan_and_transformers_pipeline_names_say_what_to_write(
+    name: str, value: object, words: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        PrepConfig(**{name: value})  # type: ignore[arg-type]
+    assert words in caught.value.message + caught.value.hint
