@@ -11,6 +11,9 @@ calls.
 Every rank calls it with the same batch: the first stage reads ``inputs``, the last stage
 ``targets``, the others use them only to check that the batch keeps its shape (the activation
 shapes each stage receives are fixed at the first step).
+
+Without pipeline parallelism it is the plain step (``loss_fn(model(inputs), targets)``, then
+``fprep.backward``), so one loop serves every layout, as ``fprep.loss_parallel`` does for tp.
 """
 
 from __future__ import annotations
@@ -85,7 +88,11 @@ def pipeline_step(
     ranks that run the last stage, and ``None`` on the others (the loss is known only there;
     ``fprep.gather`` or a broadcast from the last stage shares it). ``loss_fn(output, target)``
     runs on the last stage for each micro-batch and should return that micro-batch's mean loss.
+    Without pipeline parallelism: the forward, ``loss_fn`` and ``fprep.backward`` on the whole
+    batch, returning its loss on every rank.
     """
+    if state.config.pp == 1:
+        return _plain_step(state, model, inputs, targets, loss_fn)
     plan = pipeline_plan(state, "fprep.pipeline_step")
     handles = handles_of(state)
     if not handles.stage_modules:
@@ -131,3 +138,20 @@ def pipeline_step(
     if not plan.holds_last:
         return None
     return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def _plain_step(
+    state: PrepState,
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+) -> torch.Tensor:
+    from fprep.prepare import backward
+
+    out = model(inputs)
+    if not isinstance(out, torch.Tensor):  # a transformers ModelOutput: its logits
+        out = out.logits if hasattr(out, "logits") else out[0]
+    loss = loss_fn(out, targets)
+    backward(state, model, loss)
+    return loss.detach()

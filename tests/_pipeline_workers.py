@@ -148,6 +148,30 @@ def _call_refused(model: nn.Module) -> str:
     return "ran"
 
 
+def misuse() -> dict[str, Any]:
+    """What ``pipeline_step`` says on every rank to batches it cannot run (nothing has run)."""
+    state, prepared = fprep.prepare(build("llama"), fprep.PrepConfig(pp=2, pp_microbatches=4))
+    x, y = batches()[0]
+    said: dict[str, Any] = {}
+    for name, args in {
+        "rows": (x[:6], y[:6]),  # 6 rows into 4 micro-batches
+        "targets": (x, y[:4]),
+        "zero_d": (x[0, 0], y),
+    }.items():
+        try:
+            fprep.pipeline_step(state, prepared, *args, lm_loss)
+            said[name] = "ran"
+        except fprep.PrepError as e:
+            said[name] = (type(e).__name__, e.subject)
+    fprep.pipeline_step(state, prepared, x, y, lm_loss)  # the first step fixes the shapes
+    try:
+        fprep.pipeline_step(state, prepared, x[:, :4], y[:, :4], lm_loss)
+        said["shape"] = "ran"
+    except fprep.PrepError as e:
+        said["shape"] = (type(e).__name__, e.subject)
+    return {"name": "misuse", "said": said}
+
+
 def run(cases: list[Case]) -> list[dict[str, Any]]:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    return [train(case) for case in cases]
+    return [misuse() if case[0] == "misuse" else train(case) for case in cases]

@@ -56,6 +56,7 @@ def _cases_2(weights: dict[str, str]) -> list[W.Case]:
             None,
         ),
         ("llama_bf16", "llama", {"pp": 2, "precision": "bf16", **blocks}, None),
+        ("misuse", "llama", {}, None),
     ]
     return cases
 
@@ -106,6 +107,8 @@ def test_training_equals_one_process(
     world, results = ranks
     for index, first in enumerate(results[0]):
         name = first["name"]
+        if name == "misuse":
+            continue
         ref = references[_kind(name), "meta" in name]
         tol = TOLERANCE.get(name, TOL)
         per_rank = [results[r][index] for r in range(world)]
@@ -144,3 +147,36 @@ def test_every_schedule_ran(ranks: tuple[int, list[Any]]) -> None:
     assert ran == list(SCHEDULES)
     v_stages = [case["stages"] for case in results[0] if case["name"] == "llama_ZBVZeroBubble"]
     assert v_stages == [(0, 3)]  # rank 0 runs the first and the last stage of the V
+
+
+def test_batches_a_pipeline_cannot_run_are_refused_on_every_rank(
+    ranks: tuple[int, list[Any]],
+) -> None:
+    world, results = ranks
+    if world != 2:
+        pytest.skip("checked at pp 2")
+    for rank in range(world):
+        said = next(case for case in results[rank] if case["name"] == "misuse")["said"]
+        assert said == {
+            "rows": ("ConfigError", "pp_microbatches"),
+            "targets": ("ConfigError", "targets"),
+            "zero_d": ("ConfigError", "inputs"),
+            "shape": ("ConfigError", "inputs"),
+        }
+
+
+def test_without_pp_the_step_is_the_plain_one() -> None:
+    import torch
+
+    import fprep
+    from fprep.testing.models import lm_loss
+
+    state, model = fprep.prepare(W.build("llama"), fprep.PrepConfig())
+    reference = W.build("llama")
+    x, y = W.batches()[0]
+    loss = fprep.pipeline_step(state, model, x, y, lm_loss)
+    want = lm_loss(reference(x), y)
+    want.backward()
+    assert loss is not None and torch.equal(loss, want.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name

@@ -185,6 +185,7 @@ def test_tied_embeddings_across_stages_are_refused() -> None:
         ({"activation_checkpointing": True}, "wrap", "never runs"),
         ({"compile": "regional"}, "wrap", "never runs"),
         ({"sync_module_states": True}, "sync_module_states", "only the first stage"),
+        ({"precision": "fp16"}, "precision", "overflow"),
     ],
 )
 def test_what_a_schedule_cannot_run_is_refused_by_its_field(

@@ -221,6 +221,14 @@ def _check_effects(state: PrepState, tree: ModuleTree, order: tuple[str, ...]) -
             subject="wrap",
             hint=f"Name the blocks: wrap=({name!r},) (each block then is a region).",
         )
+    if cfg.precision == "fp16":
+        raise ConfigError(
+            "precision='fp16' needs its loss scaled before backward, which torch's pipeline "
+            "schedules run themselves (without a scaler): fp16 gradients would overflow "
+            "silently.",
+            subject="precision",
+            hint="Use precision='bf16' (no loss scaling needed).",
+        )
     if cfg.sync_module_states:
         raise ConfigError(
             "sync_module_states=True sends rank 0's weights to every rank, but under pp > 1 "
