@@ -122,13 +122,15 @@ def test_some_output_is_checked() -> None:
 
 
 # -- a page that is one script, under torchrun ------------------------------------------------
-def _script(page: str) -> str:
-    """The page's first program with every block that continues it, as one file."""
+def _script(page: str, containing: str | None = None) -> str:
+    """The page's first program (the first containing ``containing``, if given) with every
+    block that continues it, as one file."""
     blocks = PAGES[page]
-    end = 1
+    start = 0 if containing is None else next(i for i, b in enumerate(blocks) if containing in b)
+    end = start + 1
     while end < len(blocks) and blocks[end].startswith(CONTINUES):
         end += 1
-    return "\n".join(blocks[:end])
+    return "\n".join(blocks[start:end])
 
 
 @pytest.mark.slow
@@ -165,6 +167,33 @@ def test_finetune_page_runs_under_torchrun(tmp_path: Path) -> None:
     assert "rank 0 of 2" in proc.stdout and "step 4: loss" in proc.stdout
     assert "step 5:" not in proc.stdout  # half of the 8 batches per rank
     assert (shared / "finetuned" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_script_runs_under_torchrun(tmp_path: Path) -> None:
+    """parallelism.md's pipeline loop at pp 2: the last stage's rank prints the losses, the
+    first stage's rank prints nothing (in one process the test above runs it without pp)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "pipeline.py"
+    script.write_text(_script("parallelism.md", "fprep.pipeline_step"))
+    env = {**os.environ, "PYTHONPATH": str(DOCS.parent), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*command, "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 1 of 2: step 5: loss" in proc.stdout
+    assert "rank 0 of 2" not in proc.stdout
 
 
 # -- error messages quoted in docs/ -----------------------------------------------------------

@@ -162,7 +162,9 @@ def _beside_model_parallel(state: PrepState) -> MeshPlan:
             f"PrepConfig.{asked} does not divide the world size {world}: the product of the "
             f"mesh dims (pp x data-parallel x tp) must equal the world size.",
             subject=name,
-            hint=f"Choose sizes whose product (pp x tp = {model_parallel}) divides {world}.",
+            hint=f"Choose {name} among the divisors of {world}."
+            if pp == 1 or tp == 1
+            else f"Choose pp and tp whose product (here {model_parallel}) divides {world}.",
         )
     dp = world // model_parallel
     if cfg.strategy == "hsdp":
