@@ -134,6 +134,39 @@ def torch_features() -> TorchFeatures:
     return probe_torch()
 
 
+# -- pipeline parallelism ------------------------------------------------------------------------
+#: torch's class for each schedule fprep offers (``PrepConfig.pp_schedule``).
+PIPELINE_SCHEDULE_CLASSES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "LoopedBFS": "ScheduleLoopedBFS",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+def pipeline_schedule_class(name: str) -> Any:
+    """torch's schedule class for ``pp_schedule=name``; a ``ConfigError`` naming the field when
+    this torch does not have it (probed: the class's presence in
+    ``torch.distributed.pipelining.schedules``)."""
+    try:
+        schedules = importlib.import_module("torch.distributed.pipelining.schedules")
+    except ImportError:
+        schedules = None
+    cls = getattr(schedules, PIPELINE_SCHEDULE_CLASSES.get(name, ""), None)
+    if cls is None:
+        raise ConfigError(
+            f"pp_schedule={name!r}: torch {torch.__version__} has no such pipeline schedule "
+            "(torch.distributed.pipelining).",
+            subject="pp_schedule",
+            hint="Use one this torch has (1F1B, GPipe, Interleaved1F1B are in every release "
+            "fprep supports), or a newer torch.",
+        )
+    return cls
+
+
 # -- DistributedDataParallel --------------------------------------------------------------------
 def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, bool]:
     """DDP's keyword for "broadcast buffers from rank 0 before each forward"."""

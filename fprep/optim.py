@@ -122,9 +122,17 @@ def _shard_like(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
 
 
 def rebind_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, fqns: OptimizerFQNs, index: int = 0
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fqns: OptimizerFQNs,
+    index: int = 0,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> None:
-    """Point ``optimizer`` at ``model``'s current parameters, matched by canonical FQN."""
+    """Point ``optimizer`` at ``model``'s current parameters, matched by canonical FQN.
+
+    ``elsewhere``: the names other pipeline ranks hold (``PipelineState``); an optimizer built
+    over the whole model before ``prepare`` drops them here (their ranks step them).
+    """
     by_name: dict[str, nn.Parameter] = {}
     for name, p in _user_module(model).named_parameters(remove_duplicate=False):
         by_name.setdefault(clean_fqn(name), p)
@@ -139,6 +147,9 @@ def rebind_optimizer(
         new_params: list[nn.Parameter] = []
         for i, (old, name) in enumerate(zip(group["params"], names, strict=True)):
             new = by_name.get(name)
+            if new is None and name in elsewhere:
+                optimizer.state.pop(old, None)
+                continue
             if new is None:
                 raise PrepareError(
                     f"optimizer {index}'s parameter {name!r} (group {g}, position {i}) is not "

@@ -27,6 +27,7 @@ from torch import nn
 from fprep.apply.pipeline_stages import pipeline_plan
 from fprep.apply.steps import handles_of
 from fprep.collectives import collective
+from fprep.compat import pipeline_schedule_class
 from fprep.errors import ConfigError, PrepareError
 from fprep.state import PrepState
 
@@ -37,8 +38,6 @@ _SHAPE_KEY = "batch_shape"
 
 def _schedule(state: PrepState, loss_fn: LossFn) -> Any:
     """The schedule for ``loss_fn``, built on first use and kept with the handles."""
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
     handles = handles_of(state)
     cache = handles.schedules
     if cache is None:
@@ -51,7 +50,7 @@ def _schedule(state: PrepState, loss_fn: LossFn) -> Any:
     if found is not None and found[0] is loss_fn:
         return found[1]
     plan = pipeline_plan(state, "fprep.pipeline_step")
-    cls = get_schedule_class(plan.schedule)
+    cls = pipeline_schedule_class(plan.schedule)
     stages = handles.pipeline_stages
     chosen = stages[0] if len(stages) == 1 and plan.schedule in ("GPipe", "1F1B") else list(stages)
     schedule = cls(chosen, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=True)

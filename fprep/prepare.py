@@ -60,7 +60,7 @@ from fprep.apply.fp8 import check_fp8_available
 from fprep.apply.load_weights import load_weights
 from fprep.apply.lora_init import lora_inits
 from fprep.apply.parallelize import parallelize
-from fprep.apply.pipeline_stages import split_stages, stages
+from fprep.apply.pipeline_stages import check_pipeline_available, split_stages, stages
 from fprep.apply.rollback import Rollback
 from fprep.apply.steps import Step, handles_of, with_handles
 from fprep.collectives import collective
@@ -219,6 +219,7 @@ def prepare(
             if planned.param_handles is not None:  # nothing can initialize a module: a note in
                 planned.param_handles.materialize.check()  # the plan, refused by prepare
             check_fp8_available(planned)  # fp8 on CUDA needs a recent enough torchao
+            check_pipeline_available(planned)  # the schedule exists in this torch
             lora_inits(planned, model)  # LoRA factors on meta: an init fprep can compute
             refuse_training_nothing(model, optimizers)  # an optimizer of frozen parameters
             # Sharding and meta-device materialization replace Parameter objects: record what
@@ -248,8 +249,9 @@ def prepare(
             undo.restore()  # a step failed after others changed the model: put it back
             raise
     del undo
+    elsewhere = _other_stages(state)
     for i, (opt, fqns) in enumerate(recorded):
-        rebind_optimizer(prepared, opt, fqns, i)
+        rebind_optimizer(prepared, opt, fqns, i, elsewhere)
     # Replaced parameters something still holds (an optimizer not passed here): refused by
     # optimizer_step and by a plain optimizer.step(). Usually none are left, and then the
     # check costs nothing.
@@ -258,6 +260,15 @@ def prepare(
         refuse_stale_steps(replaced)
     state = with_handles(state, param_fqns_before=before, replaced_params=replaced)
     return (state, prepared, *out)
+
+
+def _other_stages(state: PrepState) -> frozenset[str]:
+    """Under pp, the parameter names other pipeline ranks hold."""
+    plan = state.pipeline
+    if plan is None or plan.whole is None:
+        return frozenset()
+    mine = {n for p in state.tree.params for n in p.names}
+    return frozenset(n for p in plan.whole.params for n in p.names if n not in mine)
 
 
 def _prepare_loaders(

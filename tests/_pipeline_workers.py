@@ -113,8 +113,14 @@ def train(case: Case) -> dict[str, Any]:
     elif source is not None:
         extra = {"weights": source}
     cfg = fprep.PrepConfig(**fields, **extra)
-    state, prepared = fprep.prepare(model, cfg)
-    opt = torch.optim.SGD(prepared.parameters(), lr=LR)
+    if name.endswith("optimizer_first"):  # built over the whole model, before prepare
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        state, prepared, opt = fprep.prepare(model, cfg, opt)
+        # this rank's parameters only: the other stages' were dropped
+        assert len(opt.param_groups[0]["params"]) == len(list(prepared.parameters()))
+    else:
+        state, prepared = fprep.prepare(model, cfg)
+        opt = torch.optim.SGD(prepared.parameters(), lr=LR)
     share, shares = fprep.process_index(state), fprep.num_processes(state)
     steps = []
     for x, y in batches():

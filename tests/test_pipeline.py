@@ -56,6 +56,7 @@ def _cases_2(weights: dict[str, str]) -> list[W.Case]:
             None,
         ),
         ("llama_bf16", "llama", {"pp": 2, "precision": "bf16", **blocks}, None),
+        ("llama_optimizer_first", "llama", {"pp": 2}, None),
         ("misuse", "llama", {}, None),
     ]
     return cases

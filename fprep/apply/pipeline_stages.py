@@ -31,6 +31,7 @@ from torch import nn
 
 from fprep.apply.precision import autocast_of, install_autocast
 from fprep.apply.steps import handles_of, skipped, step, with_handles
+from fprep.compat import pipeline_schedule_class
 from fprep.errors import PlanOrderError, PrepareError
 from fprep.snapshot import is_within, join_fqn
 from fprep.state import PipelineState, PrepState
@@ -91,6 +92,12 @@ class NotCallable:
             hint="Run a training step with fprep.pipeline_step(state, model, inputs, targets, "
             "loss_fn) on every rank (docs/parallelism.md).",
         )
+
+
+def check_pipeline_available(state: PrepState) -> None:
+    """Before any effect: a ``ConfigError`` when this torch lacks the planned schedule."""
+    if state.pipeline is not None:
+        pipeline_schedule_class(state.pipeline.schedule)
 
 
 def pipeline_plan(state: PrepState, caller: str) -> PipelineState:
