@@ -32,7 +32,8 @@ def summarize(state: PrepState) -> str:
         f"({topo.num_nodes} node(s) x {topo.local_world_size})",
         f"  model       {tree.root.class_name}: {human_count(tree.numel)} parameters in "
         f"{len(tree.params)} tensors, {len(tree.modules)} modules"
-        + (" (meta)" if tree.is_meta else ""),
+        + (" (meta)" if tree.is_meta else "")
+        + _part_of(state),
     ]
     if state.core is not None:
         core = state.core
@@ -56,7 +57,10 @@ def summarize(state: PrepState) -> str:
         tps = state.tensor_parallel
         dims = (tps.mesh_dim_names, tps.mesh_shape) if tps else (pg.mesh_dim_names, pg.mesh_shape)
         names = "x".join(f"{n}={s}" for n, s in zip(*dims, strict=True))
+        if pg.mesh.pp > 1:
+            names = f"pp={pg.mesh.pp}x{names}"
         lines.append(f"  mesh        {names}, shard group of {pg.shard_size}")
+        lines += _pipeline_lines(state)
         if tps is not None:
             lines.append(
                 f"  tensor par. tp={tps.size} ({tps.plan_source} plan): {len(tps.modules)} "
@@ -107,6 +111,25 @@ def summarize(state: PrepState) -> str:
         if state.skipped:
             lines.append(f"  no-op       {', '.join(state.skipped)} (nothing to do in this plan)")
     return "\n".join(lines)
+
+
+def _part_of(state: PrepState) -> str:
+    """Under pp, what the model line counts: this rank's part of the whole model."""
+    plan = state.pipeline
+    if plan is None or plan.whole is None:
+        return ""
+    return f"; this rank's part of {human_count(plan.whole.numel)}"
+
+
+def _pipeline_lines(state: PrepState) -> list[str]:
+    plan = state.pipeline
+    if plan is None:
+        return []
+    held = "; ".join(f"stage {i} ({plan.split[i][0]} .. {plan.split[i][-1]})" for i in plan.stages)
+    return [
+        f"  pipeline    pp={plan.size} ({plan.source} split), {plan.schedule}, "
+        f"{plan.microbatches} micro-batches, {plan.num_stages} stages; this rank: {held}"
+    ]
 
 
 def _fp8_lines(plan: Fp8Plan, shown: int = 8) -> list[str]:

@@ -287,3 +287,14 @@ def test_transformers_qwen2_parts_hold_their_layers() -> None:
     names = {p.fqn for p in last.tree.params}
     assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
     assert any(n.startswith("model.layers.2.") for n in names)
+
+
+def test_the_summary_says_which_stages_this_rank_runs() -> None:
+    text = planned(tiny(6), 8, 5, pp=2, tp=2, pp_schedule="Interleaved1F1B").summary()
+    assert "mesh        pp=2xdp=2xtp=2" in text
+    assert (
+        "pipeline    pp=2 (model split), Interleaved1F1B, 4 micro-batches, 4 stages; this "
+        "rank: stage 1 (layers.1 .. layers.2); stage 3 (layers.5 .. output)"
+    ) in text
+    assert "this rank's part of" in text
+    assert "pipeline" not in planned(tiny(6), 2, 0).summary()
