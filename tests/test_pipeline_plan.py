@@ -298,3 +298,59 @@ def test_the_summary_says_which_stages_this_rank_runs() -> None:
     ) in text
     assert "this rank's part of" in text
     assert "pipeline" not in planned(tiny(6), 2, 0).summary()
+
+
+# -- the plan against torch: each rank's part under FSDP2 on a fake world ------------------------
+@settings(max_examples=25, deadline=None)
+@given(
+    pp=st.sampled_from([2, 4]),
+    dp=st.integers(1, 3),
+    schedule=st.sampled_from(["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]),
+    data=st.data(),
+)
+def test_each_ranks_part_is_what_fully_shard_builds(
+    pp: int, dp: int, schedule: str, data: st.DataObject
+) -> None:
+    """Carve this rank's stage modules as prepare does, shard them with torch's fully_shard on
+    the pp x dp mesh of a fake world of any size, and compare every parameter with the plan:
+    the same names, local shards and global shapes, on the planned ranks."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fprep.apply.pipeline_stages import StageGap, carve
+    from fprep.testing.distributed import fake_world
+
+    world = pp * dp
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    with torch.device("meta"):
+        model = tiny(8)
+    state = planned(model, world, rank, pp=pp, pp_schedule=schedule, wrap=("LlamaBlock",))
+    plan = state.pipeline
+    assert plan is not None and state.param_handles is not None
+    specs = {s.fqn: s for s in state.param_handles.specs}
+    with fake_world(world, rank):
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        assert mesh["pp"].get_local_rank() == plan.rank
+        part = carve(model, plan.gaps())
+        stages = [carve(model, plan.gaps(s)) for s in plan.stages]
+        for unit in state.param_handles.units:
+            targets = stages if unit.fqn == "" else [part.get_submodule(unit.fqn)]
+            for module in targets:
+                fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+        named = dict(part.named_parameters())
+        assert set(named) == set(specs)
+        for name, param in named.items():
+            spec = specs[name]
+            assert tuple(param.shape) == spec.shape
+            assert tuple(param.to_local().shape) == spec.local_shape, name  # type: ignore[attr-defined]
+        # the stage modules share every parameter with the part, and hold their stage's only
+        for index, stage in zip(plan.stages, stages, strict=True):
+            assert all(named[n] is p for n, p in stage.named_parameters())
+            owners = {n.rsplit(".", 1)[0] for n, _ in stage.named_parameters()}
+            assert all(
+                any(o == m or o.startswith(m + ".") for m in plan.split[index]) for o in owners
+            )
+            gaps = {n for n, m in stage.named_modules() if isinstance(m, StageGap)}
+            assert gaps == set(plan.gaps(index))
+    assert not any(isinstance(m, StageGap) for m in model.modules())  # the model is untouched
