@@ -43,9 +43,10 @@ _SEED_LIMIT = 2**32  # numpy's seeds are 32-bit
 
 # -- the data-parallel ranks ---------------------------------------------------------------------
 def data_parallel_groups(state: PrepState, call: str) -> list[Any] | None:
-    """The groups spanning the data-parallel ranks, outermost mesh dimension first; ``None`` in
-    one process. A distributed state whose process group is gone is a PrepareError, not a
-    silent single-process answer."""
+    """The groups spanning the data-parallel ranks, outermost mesh dimension first; ``None``
+    without data parallelism (``CoreState.is_distributed``; one process, or tensor or pipeline
+    parallelism alone, whose ranks all read the same batch). A distributed state whose process
+    group is gone is a PrepareError, not a silent single-process answer."""
     core = need(state.core, "init_core", call)
     if not core.is_distributed:
         return None
@@ -56,6 +57,11 @@ def data_parallel_groups(state: PrepState, call: str) -> list[Any] | None:
         if mesh is not None
         else [handles.process_group]
     )
+    return alive_groups(groups, call)
+
+
+def alive_groups(groups: list[Any], call: str) -> list[Any]:
+    """``groups``, once checked to still exist: a PrepareError naming ``call`` otherwise."""
     if not all(_alive(g) for g in groups):
         raise PrepareError(
             f"{call} needs the process group this model was prepared over, but it no longer "

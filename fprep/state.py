@@ -202,6 +202,10 @@ class CoreState:
 
     @property
     def is_distributed(self) -> bool:
+        """Whether a data-parallel engine (DDP, fast_ddp, FSDP2) runs: the model has
+        data-parallel peers. Whether the run has several processes is another question, read
+        from the mesh record (``ProcessGroupState.mesh.is_distributed``): tensor or pipeline
+        parallelism without data parallelism resolves the strategy to ``"none"``."""
         return self.strategy != "none"
 
 

@@ -283,7 +283,7 @@ def init_core(state: PrepState) -> PrepState:
     _check_not_prepared(state, ignored)
 
     if cfg.tp > 1:
-        strategy, note = _resolve_beside_tp(cfg.strategy, cfg.tp, pg.replicate_size * pg.shard_size)
+        strategy, note = _resolve_beside_tp(cfg.strategy, cfg.tp, pg.mesh.dp_size)
     else:
         strategy, note = _resolve(cfg.strategy, pg.world_size, device.device_type)
     notes: tuple[str, ...] = (note,) if note else ()
