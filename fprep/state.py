@@ -222,9 +222,12 @@ class RuntimeState:
 class TensorParallelState:
     """Tensor parallelism: the tp dimension of the mesh and what each style does.
 
-    The mesh is ``(*data-parallel dims, "tp")``, row-major, tp innermost (torchtitan's and
-    Accelerate's order), so rank ``r`` is tp rank ``r % size`` of the group
-    ``[r - r % size, r - r % size + size)``. ``modules``: ``(module FQN, style name)`` in
+    ``mesh`` is the mesh record ``init_process_group`` planned (the same object as
+    ``ProcessGroupState.mesh``); this rank's tp size, rank and group, and the mesh the
+    DeviceMesh is built with, are read from it, never stored beside it. tp is its innermost
+    dimension (torchtitan's and Accelerate's order), so over the whole world rank ``r`` is tp
+    rank ``r % size`` of the group ``[r - r % size, r - r % size + size)``. ``modules``:
+    ``(module FQN, style name)`` in
     pre-order; ``params``: ``(parameter FQN, tp shard dim or None when replicated)`` for every
     parameter of those modules (they become DTensors over the tp dimension). ``float8``:
     ``(module FQN, torch / torchao style class)`` for every module the fp8 plan converts and
@@ -234,17 +237,39 @@ class TensorParallelState:
     cast tensorwise only; the float8 matmuls then run on each rank's shard).
     """
 
-    size: int
-    rank: int
-    group: tuple[int, ...]
-    mesh_shape: tuple[int, ...]  # the whole N-D mesh
-    mesh_dim_names: tuple[str, ...]
+    mesh: MeshPlan
     modules: tuple[tuple[str, str], ...]
     params: tuple[tuple[str, int | None], ...]
     plan_source: Literal["config", "model"]
     loss_parallel: bool = False  # the output stays vocabulary-sharded (fprep.loss_parallel)
     notes: tuple[str, ...] = ()
     float8: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def size(self) -> int:
+        """How many ranks split each planned tensor (the mesh's ``tp``)."""
+        return self.mesh.tp
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in its tp group."""
+        return self.mesh.coordinate("tp")
+
+    @functools.cached_property
+    def group(self) -> tuple[int, ...]:
+        """The global ranks this rank splits tensors with, in tp order; computed once."""
+        return self.mesh.tp_group
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The shape of the DeviceMesh tensor parallelism runs on: the data-parallel mesh's
+        dimensions, then ``tp``."""
+        return (*self.mesh.dp_mesh_shape, self.mesh.tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The names of ``mesh_shape``'s dimensions (the data-parallel mesh's, then ``"tp"``)."""
+        return (*self.mesh.dp_mesh_names, "tp")
 
     def dim_of(self, fqn: str) -> tuple[bool, int | None]:
         """(whether ``fqn`` is a tp DTensor, the dim it is sharded on over tp)."""

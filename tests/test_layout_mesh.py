@@ -311,3 +311,7 @@ def test_the_tensor_parallel_state_reads_the_same_record(
     names = ("replicate", "shard") if hybrid else ("dp",)
     assert (tps.mesh_shape, tps.mesh_dim_names) == ((*dp_shape, tp), (*names, "tp"))
     assert tps.group == pg.mesh.tp_group and pg.mesh_shape == dp_shape
+    # one record: the tp state holds the process group's mesh, and no field copied from it
+    assert tps.mesh is pg.mesh
+    stored = {f.name for f in dataclasses.fields(tps)}
+    assert not stored & {"size", "rank", "group", "mesh_shape", "mesh_dim_names"}
