@@ -281,17 +281,14 @@ class TensorParallelState:
 
 @dataclass(frozen=True, kw_only=True)
 class ExtensionState:
-    """Dimensions beyond data parallelism: tensor parallelism planned by fprep
-    (``tensor_parallel``), or a data-parallel mesh the user sliced from a larger one.
+    """What runs on the mesh's dimensions beyond data parallelism: tensor parallelism planned
+    by fprep (``tensor_parallel``; ``None`` without it).
 
-    Later dimensions (pipeline, context parallel) enter here the same way: a sub-record per
-    dimension, planned before ``init_param_handles`` computes each parameter's local block.
+    The mesh itself is ``ProcessGroupState.mesh``, never described here again. Later
+    dimensions (pipeline, context parallel) enter the same way: a sub-record per dimension,
+    planned before ``init_param_handles`` computes each parameter's local block.
     """
 
-    is_slice: bool
-    root_shape: tuple[int, ...] | None = None
-    root_dim_names: tuple[str, ...] | None = None
-    other_dims: tuple[str, ...] = ()  # the root's dimensions not used for data parallelism
     tensor_parallel: TensorParallelState | None = None
 
 
