@@ -18,6 +18,7 @@ from fprep.config import PrepConfig
 from fprep.errors import ModelError
 from fprep.errors import need as need  # defined beside PlanOrderError, used with sub-states
 from fprep.layout.mesh import MeshPlan
+from fprep.layout.placements import Placement
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
 from fprep.weights.records import WeightsPlan, WeightsSnapshot
@@ -313,10 +314,11 @@ class ShardSpec:
     padded_shape: tuple[int, ...]  # this rank's allocation (padded to an even chunk)
     requires_grad: bool
     #: Under tensor parallelism: the mesh dims the parameter's DTensor spans and its placement
-    #: on each (torch's reprs: "Shard(dim=0)", "_StridedShard(dim=0, sf=2)", "Replicate()");
-    #: empty otherwise.
+    #: on each, as typed values (``fprep.layout.placements``: ``Shard(0)``,
+    #: ``StridedShard(0, 2)``, ``Replicate()``; ``str`` gives torch's repr, and
+    #: ``fprep.apply.placements.to_torch`` torch's object); empty otherwise.
     mesh_dims: tuple[str, ...] = ()
-    placements: tuple[str, ...] = ()
+    placements: tuple[Placement, ...] = ()
     tp_shape: tuple[int, ...] = ()  # the tensor-parallel block FSDP2 shards (and gathers)
 
     @property
