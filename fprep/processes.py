@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fprep.apply.steps import handles_of
 from fprep.data import data_parallel_position
 from fprep.errors import CollectiveError, ConfigError
-from fprep.ranks import alive_groups, all_gather, all_reduce, data_parallel_groups, guarded
+from fprep.ranks import all_gather, all_reduce, data_parallel_groups, guarded, mesh_groups
 from fprep.state import PrepState, need
 
 T = TypeVar("T")
@@ -442,7 +442,7 @@ def _prepared_groups(state: PrepState, call: str) -> list[Any] | None:
     world_mesh = handles_of(state).world_mesh
     if world_mesh is None:
         return data_parallel_groups(state, call)
-    return alive_groups([world_mesh.get_group(d) for d in range(world_mesh.ndim)], call)
+    return mesh_groups(world_mesh, call)
 
 
 def _meet(
