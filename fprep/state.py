@@ -227,9 +227,10 @@ class TensorParallelState:
     ``ProcessGroupState.mesh``); this rank's tp size, rank and group, and the mesh the
     DeviceMesh is built with, are read from it, never stored beside it. tp is its innermost
     dimension (torchtitan's and Accelerate's order), so over the whole world rank ``r`` is tp
-    rank ``r % size`` of the group ``[r - r % size, r - r % size + size)``. ``modules``:
-    ``(module FQN, style name)`` in
-    pre-order; ``params``: ``(parameter FQN, tp shard dim or None when replicated)`` for every
+    rank ``r % size`` of the group ``[r - r % size, r - r % size + size)``.
+
+    ``modules``: ``(module FQN, style name)`` in pre-order; ``params``:
+    ``(parameter FQN, tp shard dim or None when replicated)`` for every
     parameter of those modules (they become DTensors over the tp dimension). ``float8``:
     ``(module FQN, torch / torchao style class)`` for every module the fp8 plan converts and
     the tp plan shards: torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` with
