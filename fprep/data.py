@@ -194,15 +194,14 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 def data_parallel_position(
     state: PrepState, needed_by: str = "fprep.process_index"
 ) -> tuple[int, int]:
-    """This rank's data-parallel index and the number of data-parallel ranks, from the plan:
-    the row-major position in the data-parallel mesh (``(0, 1)`` when not distributed)."""
+    """This rank's data-parallel index and the number of data-parallel ranks, read from the
+    mesh record (``dp_rank``, ``dp_size``): ranks that differ only in their tensor- or
+    pipeline-parallel coordinate get the same index, so they read the same batch. ``(0, 1)``
+    without data parallelism (``CoreState.is_distributed``: the strategy is ``"none"``)."""
     pg = need(state.process_group, "init_process_group", needed_by)
     if state.core is None or not state.core.is_distributed:
         return 0, 1
-    rank = 0
-    for coord, size in zip(pg.coordinate, pg.mesh_shape, strict=True):
-        rank = rank * size + coord  # row-major, as the data-parallel groups gather
-    return rank, pg.replicate_size * pg.shard_size
+    return pg.mesh.dp_rank, pg.mesh.dp_size
 
 
 class PreparedDataLoader(DataLoader[Any]):

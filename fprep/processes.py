@@ -26,8 +26,8 @@ import torch.distributed as dist
 from fprep.apply.steps import handles_of
 from fprep.data import data_parallel_position
 from fprep.errors import CollectiveError, ConfigError
-from fprep.ranks import all_gather, all_reduce, data_parallel_groups, guarded
-from fprep.state import PrepState
+from fprep.ranks import all_gather, all_reduce, data_parallel_groups, guarded, mesh_groups
+from fprep.state import PrepState, need
 
 T = TypeVar("T")
 
@@ -433,11 +433,16 @@ def main_process_first(state: PrepState) -> Iterator[None]:
 
 
 def _prepared_groups(state: PrepState, call: str) -> list[Any] | None:
-    """Every rank of the prepared model: the data-parallel groups, and the tensor-parallel
-    dimension with them under tensor parallelism."""
-    groups = data_parallel_groups(state, call)  # (also: is the process group still there?)
-    mesh = handles_of(state).world_mesh if state.tensor_parallel is not None else None
-    return groups if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim)]
+    """Every rank of the prepared model, ``None`` in one process (the mesh record says which):
+    the whole N-D mesh's groups where fprep built one (tensor parallelism), else the
+    data-parallel groups."""
+    pg = need(state.process_group, "init_process_group", call)
+    if not pg.mesh.is_distributed:
+        return None
+    world_mesh = handles_of(state).world_mesh
+    if world_mesh is None:
+        return data_parallel_groups(state, call)
+    return mesh_groups(world_mesh, call)
 
 
 def _meet(

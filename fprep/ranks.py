@@ -43,27 +43,43 @@ _SEED_LIMIT = 2**32  # numpy's seeds are 32-bit
 
 # -- the data-parallel ranks ---------------------------------------------------------------------
 def data_parallel_groups(state: PrepState, call: str) -> list[Any] | None:
-    """The groups spanning the data-parallel ranks, outermost mesh dimension first; ``None`` in
-    one process. A distributed state whose process group is gone is a PrepareError, not a
-    silent single-process answer."""
+    """The groups spanning the data-parallel ranks, outermost mesh dimension first; ``None``
+    without data parallelism (``CoreState.is_distributed``; one process, or tensor or pipeline
+    parallelism alone, whose ranks all read the same batch). A distributed state whose process
+    group is gone is a PrepareError, not a silent single-process answer."""
     core = need(state.core, "init_core", call)
     if not core.is_distributed:
         return None
     handles = handles_of(state)
-    mesh = handles.mesh
-    groups = (
-        [mesh.get_group(dim) for dim in range(mesh.ndim)]
-        if mesh is not None
-        else [handles.process_group]
-    )
+    if handles.mesh is not None:
+        return mesh_groups(handles.mesh, call)
+    return alive_groups([handles.process_group], call)
+
+
+def mesh_groups(mesh: Any, call: str) -> list[Any]:
+    """Each dimension's group of the DeviceMesh ``mesh``, outermost first, once checked to
+    still exist (a mesh whose groups were destroyed cannot even name them)."""
+    try:
+        groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    except (KeyError, RuntimeError, ValueError):
+        raise _ended(call) from None
+    return alive_groups(groups, call)
+
+
+def alive_groups(groups: list[Any], call: str) -> list[Any]:
+    """``groups``, once checked to still exist: a PrepareError naming ``call`` otherwise."""
     if not all(_alive(g) for g in groups):
-        raise PrepareError(
-            f"{call} needs the process group this model was prepared over, but it no longer "
-            "exists (fprep.end_training or destroy_process_group ended it).",
-            subject=call,
-            hint="Call it before fprep.end_training, or prepare again in the new process group.",
-        )
+        raise _ended(call)
     return groups
+
+
+def _ended(call: str) -> PrepareError:
+    return PrepareError(
+        f"{call} needs the process group this model was prepared over, but it no longer "
+        "exists (fprep.end_training or destroy_process_group ended it).",
+        subject=call,
+        hint="Call it before fprep.end_training, or prepare again in the new process group.",
+    )
 
 
 def _alive(group: Any) -> bool:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fprep.layout.placements import Placement, Replicate, Shard, StridedShard
+
 if TYPE_CHECKING:
     from fprep.snapshot import ParamInfo
     from fprep.state import ProcessGroupState, TensorParallelState
@@ -73,7 +75,9 @@ class TPLayout:
 
     def place(
         self, p: ParamInfo, shard: tuple[int, int] | None
-    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    ) -> tuple[
+        tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[Placement, ...], tuple[int, ...]
+    ]:
         """``(local shape, padded shape, mesh dims, placements, tp block shape)`` of ``p`` on
         this rank;
         ``shard`` is ``(dp shard group size, this rank's index)`` under FSDP2, else None."""
@@ -84,15 +88,15 @@ class TPLayout:
             local = (*local[:dim], local_rows(local[dim], self.tp, self.tp_rank), *local[dim + 1 :])
         block = local
         dims: list[str] = []
-        placements: list[str] = []
+        placements: list[Placement] = []
         padded = local
         if shard is not None:
             if self.hybrid:
-                placements.append("Replicate()")
-            placements.append(f"_StridedShard(dim=0, sf={self.tp})" if dim == 0 else "Shard(dim=0)")
+                placements.append(Replicate())
+            placements.append(StridedShard(0, self.tp) if dim == 0 else Shard(0))
             dims.extend(self.dp_dims)
             local, padded = shard_shape(local, *shard)
         if in_tp:
             dims.append("tp")
-            placements.append("Replicate()" if dim is None else f"Shard(dim={dim})")
+            placements.append(Replicate() if dim is None else Shard(dim))
         return local, padded, tuple(dims), tuple(placements), block

@@ -18,6 +18,7 @@ from fprep.config import PrepConfig
 from fprep.errors import ModelError
 from fprep.errors import need as need  # defined beside PlanOrderError, used with sub-states
 from fprep.layout.mesh import MeshPlan
+from fprep.layout.placements import Placement
 from fprep.snapshot import ModuleTree
 from fprep.topology import Topology
 from fprep.weights.records import WeightsPlan, WeightsSnapshot
@@ -262,6 +263,10 @@ class CoreState:
 
     @property
     def is_distributed(self) -> bool:
+        """Whether a data-parallel engine (DDP, fast_ddp, FSDP2) runs: the model has
+        data-parallel peers. Whether the run has several processes is another question, read
+        from the mesh record (``ProcessGroupState.mesh.is_distributed``): tensor or pipeline
+        parallelism without data parallelism resolves the strategy to ``"none"``."""
         return self.strategy != "none"
 
 
@@ -278,10 +283,14 @@ class RuntimeState:
 class TensorParallelState:
     """Tensor parallelism: the tp dimension of the mesh and what each style does.
 
-    The mesh is ``(*data-parallel dims, "tp")``, row-major, tp innermost (torchtitan's and
-    Accelerate's order), so rank ``r`` is tp rank ``r % size`` of the group
-    ``[r - r % size, r - r % size + size)``. ``modules``: ``(module FQN, style name)`` in
-    pre-order; ``params``: ``(parameter FQN, tp shard dim or None when replicated)`` for every
+    ``mesh`` is the mesh record ``init_process_group`` planned (the same object as
+    ``ProcessGroupState.mesh``); this rank's tp size, rank and group, and the mesh the
+    DeviceMesh is built with, are read from it, never stored beside it. tp is its innermost
+    dimension (torchtitan's and Accelerate's order), so over the whole world rank ``r`` is tp
+    rank ``r % size`` of the group ``[r - r % size, r - r % size + size)``.
+
+    ``modules``: ``(module FQN, style name)`` in pre-order; ``params``:
+    ``(parameter FQN, tp shard dim or None when replicated)`` for every
     parameter of those modules (they become DTensors over the tp dimension). ``float8``:
     ``(module FQN, torch / torchao style class)`` for every module the fp8 plan converts and
     the tp plan shards: torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` with
@@ -290,17 +299,39 @@ class TensorParallelState:
     cast tensorwise only; the float8 matmuls then run on each rank's shard).
     """
 
-    size: int
-    rank: int
-    group: tuple[int, ...]
-    mesh_shape: tuple[int, ...]  # the whole N-D mesh
-    mesh_dim_names: tuple[str, ...]
+    mesh: MeshPlan
     modules: tuple[tuple[str, str], ...]
     params: tuple[tuple[str, int | None], ...]
     plan_source: Literal["config", "model"]
     loss_parallel: bool = False  # the output stays vocabulary-sharded (fprep.loss_parallel)
     notes: tuple[str, ...] = ()
     float8: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def size(self) -> int:
+        """How many ranks split each planned tensor (the mesh's ``tp``)."""
+        return self.mesh.tp
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in its tp group."""
+        return self.mesh.coordinate("tp")
+
+    @functools.cached_property
+    def group(self) -> tuple[int, ...]:
+        """The global ranks this rank splits tensors with, in tp order; computed once."""
+        return self.mesh.tp_group
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The shape of the DeviceMesh tensor parallelism runs on: the data-parallel mesh's
+        dimensions, then ``tp``."""
+        return (*self.mesh.dp_mesh_shape, self.mesh.tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The names of ``mesh_shape``'s dimensions (the data-parallel mesh's, then ``"tp"``)."""
+        return (*self.mesh.dp_mesh_names, "tp")
 
     def dim_of(self, fqn: str) -> tuple[bool, int | None]:
         """(whether ``fqn`` is a tp DTensor, the dim it is sharded on over tp)."""
@@ -312,17 +343,14 @@ class TensorParallelState:
 
 @dataclass(frozen=True, kw_only=True)
 class ExtensionState:
-    """Dimensions beyond data parallelism: tensor parallelism planned by fprep
-    (``tensor_parallel``), or a data-parallel mesh the user sliced from a larger one.
+    """What runs on the mesh's dimensions beyond data parallelism: tensor parallelism planned
+    by fprep (``tensor_parallel``; ``None`` without it).
 
-    Later dimensions (pipeline, context parallel) enter here the same way: a sub-record per
-    dimension, planned before ``init_param_handles`` computes each parameter's local block.
+    The mesh itself is ``ProcessGroupState.mesh``, never described here again. Later
+    dimensions (pipeline, context parallel) enter the same way: a sub-record per dimension,
+    planned before ``init_param_handles`` computes each parameter's local block.
     """
 
-    is_slice: bool
-    root_shape: tuple[int, ...] | None = None
-    root_dim_names: tuple[str, ...] | None = None
-    other_dims: tuple[str, ...] = ()  # the root's dimensions not used for data parallelism
     tensor_parallel: TensorParallelState | None = None
 
 
@@ -347,10 +375,11 @@ class ShardSpec:
     padded_shape: tuple[int, ...]  # this rank's allocation (padded to an even chunk)
     requires_grad: bool
     #: Under tensor parallelism: the mesh dims the parameter's DTensor spans and its placement
-    #: on each (torch's reprs: "Shard(dim=0)", "_StridedShard(dim=0, sf=2)", "Replicate()");
-    #: empty otherwise.
+    #: on each, as typed values (``fprep.layout.placements``: ``Shard(0)``,
+    #: ``StridedShard(0, 2)``, ``Replicate()``; ``str`` gives torch's repr, and
+    #: ``fprep.apply.placements.to_torch`` torch's object); empty otherwise.
     mesh_dims: tuple[str, ...] = ()
-    placements: tuple[str, ...] = ()
+    placements: tuple[Placement, ...] = ()
     tp_shape: tuple[int, ...] = ()  # the tensor-parallel block FSDP2 shards (and gathers)
 
     @property

@@ -35,7 +35,7 @@ PREREQUISITES: dict[str, frozenset[str]] = {
     "init_core": frozenset({"init_process_group", "init_device", "init_ignored"}),
     "init_runtime": frozenset({"init_core", "init_device", "init_process_group"}),
     "init_extension": frozenset({"init_process_group", "init_ignored"}),
-    "init_state_dict": frozenset({"init_core"}),
+    "init_state_dict": frozenset({"init_core", "init_process_group"}),
     "init_param_handles": frozenset(
         {"init_core", "init_process_group", "init_ignored", "init_extension"}
     ),

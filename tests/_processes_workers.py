@@ -183,3 +183,27 @@ def _main_first_raises(state: fprep.PrepState, rank: int) -> dict[str, Any]:
     except fprep.CollectiveError as e:
         return {"raised": "CollectiveError", "message": str(e), "ran": ran}
     return {"raised": None, "ran": ran}
+
+
+def tp_alone(root: str) -> dict[str, Any]:
+    """Tensor parallelism over both ranks (the strategy resolves to "none"): both read the same
+    data, the main process still goes first, and after ``end_training`` main_process_first is
+    a PrepareError naming the ended group."""
+    warnings.simplefilter("ignore")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    cfg = fprep.PrepConfig(tp=2, tp_plan={"0": "colwise", "1": "rowwise"}, timeout_s=60)
+    state, _ = fprep.prepare(model, cfg)
+    out: dict[str, Any] = {
+        "strategy": state.core.strategy if state.core else None,
+        "position": (fprep.process_index(state), fprep.num_processes(state)),
+        "part": fprep.split_between_processes(state, list(range(6))),
+        "in_order": _main_first_in_order(state, Path(root)),
+    }
+    fprep.end_training(state)
+
+    def after_end() -> None:
+        with fprep.main_process_first(state):
+            pass
+
+    out["after_end"] = _outcome(after_end)
+    return out

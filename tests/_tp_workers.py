@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fprep
+from fprep.apply.placements import to_torch
 from fprep.testing.models import LlamaConfig, llama
 
 SEED = 5
@@ -113,7 +114,9 @@ def _mismatches(state: fprep.PrepState, model: nn.Module) -> list[str]:
             )
         else:
             real = (tuple(p.shape), (), ())
-        planned = (spec.local_shape, spec.mesh_dims, spec.placements)
+        # the plan's typed placements as torch builds them from the plan
+        typed = tuple(repr(to_torch(pl)) for pl in spec.placements)
+        planned = (spec.local_shape, spec.mesh_dims, typed)
         if real != planned:
             out.append(f"{spec.fqn}: planned {planned}, real {real}")
     return out

@@ -114,6 +114,22 @@ def test_the_data_parallel_views() -> None:
     assert not plain.is_distributed and plain.describe() == "1"
 
 
+@settings(max_examples=40, deadline=None)
+@given(layouts())
+def test_dp_rank_is_the_index_among_the_data_parallel_peers(layout: MeshPlan) -> None:
+    """``dp_rank`` is this rank's place in torch's flattened data-parallel sub-mesh; every
+    rank that differs only in pp, cp or tp reads the same share, and the peers' indices are
+    ``0 .. dp_size - 1`` in order."""
+    with fake_world(layout.world_size, layout.rank):
+        peers = torch_mesh(layout)[("dp_replicate", "dp_shard")].mesh.flatten().tolist()
+    assert 0 <= layout.dp_rank < layout.dp_size == len(peers)
+    assert peers[layout.dp_rank] == layout.rank
+    for other in layout.group("pp", "cp", "tp"):
+        assert dataclasses.replace(layout, rank=other).dp_rank == layout.dp_rank
+    indices = [dataclasses.replace(layout, rank=peer).dp_rank for peer in layout.dp_group]
+    assert indices == list(range(layout.dp_size))
+
+
 def test_the_record_is_a_frozen_hashable_value() -> None:
     a = MeshPlan(world_size=4, rank=1, dp_shard=2, tp=2)
     b = MeshPlan(world_size=4, rank=1, dp_shard=2, tp=2)
@@ -295,3 +311,7 @@ def test_the_tensor_parallel_state_reads_the_same_record(
     names = ("replicate", "shard") if hybrid else ("dp",)
     assert (tps.mesh_shape, tps.mesh_dim_names) == ((*dp_shape, tp), (*names, "tp"))
     assert tps.group == pg.mesh.tp_group and pg.mesh_shape == dp_shape
+    # one record: the tp state holds the process group's mesh, and no field copied from it
+    assert tps.mesh is pg.mesh
+    stored = {f.name for f in dataclasses.fields(tps)}
+    assert not stored & {"size", "rank", "group", "mesh_shape", "mesh_dim_names"}

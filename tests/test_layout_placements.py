@@ -63,7 +63,8 @@ def test_anything_else_is_refused_naming_the_field(text: str) -> None:
 def test_every_placement_a_tp_plan_stores_parses_back_to_itself(
     strategy: str, world: int, shard: int | None, kinds: set[type]
 ) -> None:
-    """What ShardSpec.placements holds today reads as typed values, one per mesh dim."""
+    """ShardSpec.placements holds typed values, one per mesh dim, whose text (what summaries
+    print) is torch's repr and parses back to the same value."""
     import fprep
     from fprep.testing.models import llama_tiny
 
@@ -73,8 +74,10 @@ def test_every_placement_a_tp_plan_stores_parses_back_to_itself(
     specs = state.param_handles.specs  # type: ignore[union-attr]
     seen = set()
     for spec in specs:
-        typed = parse_all(spec.placements)
-        assert tuple(map(str, typed)) == spec.placements
+        typed = spec.placements
+        assert all(isinstance(p, Shard | StridedShard | Replicate) for p in typed)
+        assert parse_all(tuple(map(str, typed))) == typed
+        assert tuple(repr(to_torch(p)) for p in typed) == tuple(map(str, typed))
         assert len(typed) == len(spec.mesh_dims)  # none for a whole tensor (tp = world)
         seen.update(type(p) for p in typed)
     assert kinds <= seen

@@ -13,6 +13,7 @@ error when it raises instead of hanging).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import _processes_workers as W
@@ -137,3 +138,19 @@ def test_main_process_first_releases_the_others_when_the_main_one_raises(
     assert other["raised"] == "CollectiveError" and other["ran"] == []
     assert "OSError: disk full while writing the cache" in other["message"]
     assert all(out["after_first"] == WORLD for out in ranks)  # the group still works
+
+
+def test_tensor_parallelism_alone_is_one_data_parallel_rank_of_two_processes(
+    tmp_path: Path,
+) -> None:
+    """tp=2 over 2 ranks plans the strategy "none" on a mesh of two processes: both ranks
+    read all the data (index 0 of 1), main_process_first still orders them, and once the
+    group is ended it says so (a PrepareError) instead of failing inside torch."""
+    out = run_ranks(W.tp_alone, WORLD, str(tmp_path), timeout_s=300.0)
+    for rank, result in enumerate(out):
+        assert result["strategy"] == "none"
+        assert tuple(result["position"]) == (0, 1)
+        assert result["part"] == list(range(6))
+        assert result["in_order"] == {"found": rank != 0}
+        assert result["after_end"]["error"] == "PrepareError", result["after_end"]
+        assert result["after_end"]["subject"] == "fprep.main_process_first"

@@ -15,6 +15,8 @@ from torch import nn
 
 import fprep
 from fprep import ConfigError, ModelError, PrepConfig, Topology
+from fprep.apply.placements import to_torch
+from fprep.layout.placements import Replicate, Shard, StridedShard
 from fprep.state import PrepState
 from fprep.testing.distributed import fake_world, run_ranks
 from fprep.testing.models import LlamaConfig, llama, llama_tiny, tiny_gpt
@@ -47,11 +49,11 @@ def test_llama_own_plan_at_dp2_tp2() -> None:
     specs = {s.fqn: s for s in state.param_handles.specs}  # type: ignore[union-attr]
     wq = specs["layers.0.attention.wq.weight"]  # (64, 64): tp rows, then dp rows of those
     assert wq.local_shape == (16, 64)
-    assert wq.placements == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    assert wq.placements == (StridedShard(0, split_factor=2), Shard(0))
     wo = specs["layers.0.attention.wo.weight"]  # rowwise: tp columns, dp rows
-    assert wo.local_shape == (32, 32) and wo.placements == ("Shard(dim=0)", "Shard(dim=1)")
+    assert wo.local_shape == (32, 32) and wo.placements == (Shard(0), Shard(1))
     norm = specs["norm.weight"]  # outside the plan: FSDP2 only
-    assert norm.mesh_dims == ("dp",) and norm.placements == ("Shard(dim=0)",)
+    assert norm.mesh_dims == ("dp",) and norm.placements == (Shard(0),)
     emb = specs["tok_embeddings.weight"]  # embedding_rowwise: vocabulary rows
     assert emb.local_shape == (64, 64)
 
@@ -63,7 +65,7 @@ def test_hsdp_tp_is_three_dimensional() -> None:
     assert tps is not None and tps.mesh_shape == (2, 2, 2)
     assert tps.mesh_dim_names == ("replicate", "shard", "tp")
     spec = next(s for s in state.param_handles.specs if s.fqn.endswith("wq.weight"))  # type: ignore[union-attr]
-    assert spec.placements == ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    assert spec.placements == (Replicate(), StridedShard(0, split_factor=2), Shard(0))
 
 
 def test_transformers_plan_is_read_from_the_model() -> None:
@@ -233,7 +235,8 @@ def test_planned_local_blocks_are_torchs(layout: Any, data: st.DataObject) -> No
                 assert tuple(local_tensor.shape) == spec.local_shape
                 continue
             assert tuple(p.to_local().shape) == spec.local_shape, spec
-            assert tuple(repr(x) for x in p.placements) == spec.placements
+            assert tuple(p.placements) == tuple(to_torch(x) for x in spec.placements)
+            assert tuple(repr(x) for x in p.placements) == tuple(map(str, spec.placements))
             assert tuple(p.device_mesh.mesh_dim_names) == spec.mesh_dims
 
 

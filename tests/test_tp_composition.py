@@ -15,6 +15,7 @@ from torch import nn
 
 import fprep
 from fprep import ConfigError, PrepConfig, Topology
+from fprep.layout.placements import Replicate, Shard
 from fprep.state import PrepState
 from fprep.testing.distributed import run_ranks
 from fprep.testing.models import llama_tiny
@@ -47,7 +48,7 @@ def test_fprep_llama_sequence_parallel_layout() -> None:
     assert mods["output"] == "colwise_gather_output_sequence"  # input Shard(1)
     specs = {s.fqn: s for s in state.param_handles.specs}  # type: ignore[union-attr]
     norm = specs["layers.0.ffn_norm.weight"]  # replicated over tp: a tp DTensor all the same
-    assert norm.mesh_dims == ("dp", "tp") and norm.placements == ("Shard(dim=0)", "Replicate()")
+    assert norm.mesh_dims == ("dp", "tp") and norm.placements == (Shard(0), Replicate())
 
 
 def test_transformers_sequence_parallel_layout() -> None:

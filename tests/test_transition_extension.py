@@ -1,4 +1,5 @@
-"""init_extension: whether the data-parallel mesh is a slice of a larger one (DP x TP)."""
+"""init_extension: the dimensions beyond data parallelism fprep plans (tensor parallelism); a
+mesh the user sliced from a larger one adds nothing here (its ranks are the mesh record's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fprep import ModuleTree, PrepConfig, PrepState, Topology
+from fprep.state import ExtensionState
 from fprep.testing import strategies as fst
 from fprep.transitions import init_extension
 
@@ -17,7 +19,7 @@ SMALL = fst.module_trees(max_depth=1)
 def test_pure_without_a_mesh(state: PrepState) -> None:
     extension = success(run_pure(init_extension, state)).extension
     assert extension is not None
-    assert not extension.is_slice and extension.root_shape is None and extension.other_dims == ()
+    assert (extension.tensor_parallel is None) == (state.config.tp == 1)
 
 
 @given(
@@ -26,25 +28,20 @@ def test_pure_without_a_mesh(state: PrepState) -> None:
     st.booleans(),
     st.data(),
 )
-def test_mesh_slices(
+def test_a_mesh_slice_plans_nothing_beyond_data_parallelism(
     tree: ModuleTree, topology: Topology, hybrid: bool, data: st.DataObject
 ) -> None:
+    """A slice of a larger mesh (dp of dp x tp) runs tensor parallelism the user applied:
+    fprep plans none, and the slice's ranks are the process group record's."""
     layout = data.draw(fst.mesh_layouts(topology.world_size, hybrid=hybrid), label="layout")
     cfg = PrepConfig(strategy="hsdp" if hybrid else "fsdp")
     for rank in range(topology.world_size):  # every rank agrees
         mesh = layout.spec(rank)
         state = PrepState.initial(tree, cfg, with_rank(topology, rank), mesh=mesh)
         state = success(run_until("init_extension", state))
-        extension = success(run_pure(init_extension, state)).extension
-        assert extension is not None
-        assert extension.is_slice == layout.sliced == mesh.is_slice
-        if layout.sliced:
-            assert extension.root_shape == layout.root_shape
-            assert extension.root_dim_names == mesh.root_dim_names
-            # The dimensions that are not data parallelism: exactly tp (when named).
-            assert extension.other_dims == (("tp",) if layout.named else ())
-        else:
-            assert extension.root_shape is None and extension.other_dims == ()
+        assert success(run_pure(init_extension, state)).extension == ExtensionState()
+        assert state.process_group is not None
+        assert state.process_group.mesh.dp_group == mesh.ranks
 
 
 @given(fst.prep_states(inputs=fst.plan_inputs(trees=SMALL)))

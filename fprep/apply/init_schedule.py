@@ -11,6 +11,7 @@ import heapq
 import zlib
 from collections.abc import Sequence
 
+from fprep.layout.placements import Shard
 from fprep.sharding import local_rows
 from fprep.state import ShardSpec
 
@@ -96,9 +97,9 @@ def tp_cut(spec: ShardSpec) -> tuple[int, int] | None:
     if "tp" not in spec.mesh_dims:
         return None
     placement = spec.placements[spec.mesh_dims.index("tp")]
-    if not placement.startswith("Shard(dim="):
+    if not isinstance(placement, Shard):
         return None
-    dim = int(placement[len("Shard(dim=") : -1])
+    dim = placement.dim
     return dim, spec.shape[dim] // spec.tp_shape[dim]
 
 

@@ -24,8 +24,9 @@ from fprep.state import PrepState
 
 @dataclass(frozen=True)
 class Group:
-    """Who takes part: the default process group when the plan spans several processes (data
-    parallel, tensor parallel, or both), else nobody."""
+    """Who takes part: the default process group when the plan's mesh spans several processes
+    (``process_group.mesh.is_distributed``: data, tensor or pipeline parallelism, whatever the
+    strategy resolved to), else nobody."""
 
     distributed: bool
     rank: int
@@ -33,12 +34,10 @@ class Group:
 
     @classmethod
     def of(cls, state: PrepState) -> Group:
-        core = state.core
-        # tp without data parallelism plans the strategy "none", yet every rank holds a shard
-        tps = state.tensor_parallel
+        pg = state.process_group
         if (
-            core is not None
-            and (core.is_distributed or tps is not None)
+            pg is not None
+            and pg.mesh.is_distributed
             and dist.is_available()
             and dist.is_initialized()
         ):

@@ -205,7 +205,16 @@ class MeshPlan:
 
     @property
     def dp_size(self) -> int:
+        """How many data-parallel peers this rank has, itself included (``dp_replicate`` x
+        ``dp_shard``): the number of different batches one step reads."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's row-major index among its data-parallel peers (``dp_group``), in
+        ``range(dp_size)``: the share of the data it reads. Ranks that differ only in their
+        ``pp``, ``cp`` or ``tp`` coordinate have the same index, so they read the same batch."""
+        return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
 
     @property
     def dp_mesh_shape(self) -> tuple[int, ...]:

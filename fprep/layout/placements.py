@@ -1,10 +1,10 @@
 """Typed DTensor placements as plain values, and a parser of torch's repr strings.
 
-A plan says how each parameter lies on each mesh dimension with these values; apply code turns
-them into torch's own classes (``fprep.apply.placements.to_torch``), so planning never imports
-torch's distributed runtime. ``parse`` reads the reprs fprep stores today in
-``ShardSpec.placements`` (``"Shard(dim=0)"``, ``"_StridedShard(dim=0, sf=2)"``,
-``"Replicate()"``, ``"Partial(sum)"``); ``str`` of a value gives that repr back.
+A plan says how each parameter lies on each mesh dimension with these values
+(``ShardSpec.placements``); apply code turns them into torch's own classes
+(``fprep.apply.placements.to_torch``), so planning never imports torch's distributed runtime.
+``str`` of a value is torch's repr (``"Shard(dim=0)"``, ``"_StridedShard(dim=0, sf=2)"``,
+``"Replicate()"``, ``"Partial(sum)"``), what summaries print; ``parse`` reads such a repr back.
 """
 
 from __future__ import annotations
@@ -86,5 +86,5 @@ def parse(text: str) -> Placement:
 
 
 def parse_all(texts: tuple[str, ...]) -> tuple[Placement, ...]:
-    """``parse`` over a tuple, e.g. a ``ShardSpec.placements``."""
+    """``parse`` over a tuple of reprs."""
     return tuple(parse(t) for t in texts)

@@ -1,8 +1,10 @@
-"""init_extension: the dimensions beyond data parallelism: tensor parallelism fprep plans
-(``PrepConfig.tp``, see ``tensor_parallel``), or a data-parallel mesh sliced from a larger one.
+"""init_extension: the dimensions beyond data parallelism that fprep plans: tensor parallelism
+(``PrepConfig.tp``, see ``tensor_parallel``).
 
-Then parameters may already be DTensors over the other dimensions, and sharded checkpoints must
-keep those placements; the state records which dimensions are not fprep's.
+The mesh itself (every dimension, this rank's place, its groups) is ``init_process_group``'s
+record; this transition only decides what runs on its non-data-parallel dimensions. A
+data-parallel mesh the user sliced from a larger one needs nothing here: its own ranks are in
+the record.
 """
 
 from __future__ import annotations
@@ -17,26 +19,4 @@ def init_extension(state: PrepState) -> PrepState:
     pg = need(state.process_group, "init_process_group", "init_extension")
     ignored = need(state.ignored, "init_ignored", "init_extension")
     tp = plan_tensor_parallel(state, pg, ignored)
-    if tp is not None:
-        return state.replace(
-            extension=ExtensionState(
-                is_slice=True,
-                root_shape=tp.mesh_shape,
-                root_dim_names=tp.mesh_dim_names,
-                other_dims=("tp",),
-                tensor_parallel=tp,
-            )
-        )
-    mesh = state.inputs.mesh
-    if mesh is None or not mesh.is_slice:
-        return state.replace(extension=ExtensionState(is_slice=False))
-    root_names = mesh.root_dim_names or ()
-    others = tuple(n for n in root_names if n not in pg.mesh_dim_names)
-    return state.replace(
-        extension=ExtensionState(
-            is_slice=True,
-            root_shape=mesh.root_shape,
-            root_dim_names=mesh.root_dim_names,
-            other_dims=others,
-        )
-    )
+    return state.replace(extension=ExtensionState(tensor_parallel=tp))

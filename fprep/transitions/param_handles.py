@@ -16,6 +16,7 @@ from typing import cast
 from fprep.adapters import AdapterLayout
 from fprep.config import WrapPolicy, wrap_class_names
 from fprep.errors import ConfigError, ModelError, PrepError
+from fprep.layout.placements import Placement
 from fprep.policies import repeated_block_classes, used_by_parent_forward
 from fprep.sharding import TPLayout, shard_shape
 from fprep.snapshot import (
@@ -234,7 +235,7 @@ def _spec(p: ParamInfo, shard: tuple[int, int] | None, layout: TPLayout | None =
             "keep channels_last inputs), or add it to ignored_params.",
         )
     dims: tuple[str, ...] = ()
-    placements: tuple[str, ...] = ()
+    placements: tuple[Placement, ...] = ()
     block: tuple[int, ...] = ()
     if layout is not None:
         local, padded, dims, placements, block = layout.place(p, shard)

@@ -65,7 +65,9 @@ def init_state_dict(state: PrepState) -> PrepState:
     core = need(state.core, "init_core", "init_state_dict")
     cfg = state.config
     full = cfg.state_dict_type == "full"
-    distributed = core.strategy != "none"
+    distributed = need(
+        state.process_group, "init_process_group", "init_state_dict"
+    ).mesh.is_distributed
     return state.replace(
         state_dict=StateDictState(
             type=cfg.state_dict_type,

@@ -202,7 +202,7 @@ def plan_tensor_parallel(
     state: PrepState, pg: ProcessGroupState, ignored: IgnoredState
 ) -> TensorParallelState | None:
     cfg, tree, topo = state.config, state.tree, state.topology
-    tp = cfg.tp
+    tp = pg.mesh.tp  # the record's tp dimension (PrepConfig.tp, laid out by init_process_group)
     if tp == 1:
         return None
     _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
@@ -232,13 +232,8 @@ def plan_tensor_parallel(
             f"tp={tp} does not divide the {topo.local_world_size} processes per node: tensor-"
             "parallel groups cross nodes (their all-reduces run over the network)."
         )
-    mesh = pg.mesh  # init_process_group laid out (dp..., tp) with this tp
     return TensorParallelState(
-        size=mesh.tp,
-        rank=mesh.coordinate("tp"),
-        group=mesh.tp_group,
-        mesh_shape=(*mesh.dp_mesh_shape, mesh.tp),
-        mesh_dim_names=(*mesh.dp_mesh_names, "tp"),
+        mesh=pg.mesh,  # init_process_group laid out (dp..., tp) with this tp
         modules=modules,
         params=params,
         plan_source=source,  # type: ignore[arg-type]
