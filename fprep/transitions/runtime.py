@@ -44,6 +44,6 @@ def init_runtime(state: PrepState) -> PrepState:
             ddp_kwargs=kwargs,
             fast_ddp_dtype=state.config.fast_ddp_dtype if fast else None,
             # averaged over the data-parallel group (which may be a subgroup of the world)
-            fast_ddp_scale=1.0 / (pg.shard_size * pg.replicate_size) if fast else None,
+            fast_ddp_scale=1.0 / pg.mesh.dp_size if fast else None,
         )
     )
