@@ -27,6 +27,7 @@ from fprep.cli_report import memory_table, pipeline_json, pipeline_table, plan_j
 from fprep.cli_run import run_command
 from fprep.config import PipelineSchedule, Precision, PrepConfig, Sharding, Strategy
 from fprep.errors import ConfigError, need
+from fprep.memory import estimate_memory
 from fprep.planning import plan
 from fprep.policies import repeated_block_classes
 from fprep.snapshot import ModuleTree
@@ -133,6 +134,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     )
     state = _planned(model, cfg, topo)
     stages = _pipeline_states(model, cfg, topo, state) if state.pipeline is not None else None
+    if batch is not None:  # a batch the plan cannot split fails here, before any output
+        estimate_memory(state, batch=batch)
     one_node = _one_node_note(args)
     for note in (*notes, *([one_node] if one_node else [])):
         print(note if note.startswith("fprep: ") else f"fprep: note: {note}", file=sys.stderr)
