@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -383,3 +385,32 @@ def test_tensor_parallelism_divides_the_sharded_activations() -> None:
     head_one = stage_activations(one.tree, ("output",), stage_inputs(one, ROWS, SEQ))
     head_two = stage_activations(two.tree, ("output",), stage_inputs(two, ROWS, SEQ))
     assert head_one == head_two == positions * (c.dim * b + c.vocab_size * 4)
+
+
+# -- the README's flagship: the 405B plan at 512 ranks -------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+#: A `bash` block running `fprep plan` (lines continued with a backslash), then the `text`
+#: block of what it prints (`...` for lines left out).
+SHOWN = re.compile(r"```bash\n(fprep plan [^`]*?)```\s*```text\n(.*?)```", re.S)
+
+
+def test_the_readmes_405b_table_is_what_fprep_plan_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import shlex
+
+    from fprep.cli import main
+
+    shown = SHOWN.findall(README.read_text())
+    assert len(shown) == 1
+    command, output = shown[0]
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:3] == ["fprep", "plan", "fprep.testing.models:llama_405b"]
+    assert main(argv[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    lines = [line for line in output.splitlines() if line.strip() != "..."]
+    assert sum(line.lstrip().startswith(str(pp)) for line in lines for pp in range(8)) >= 8
+    at = 0
+    for line in lines:
+        assert line in printed[at:], f"README.md: `fprep plan` no longer prints {line!r}"
+        at = printed.index(line, at) + 1
