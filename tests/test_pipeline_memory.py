@@ -33,7 +33,7 @@ from fprep.errors import ConfigError
 from fprep.layout import in_flight
 from fprep.layout.stages import SCHEDULES, V_SCHEDULES
 from fprep.memory import estimate_memory, per_stage_activations
-from fprep.testing.models import LlamaConfig, llama, llama_tiny
+from fprep.testing.models import LlamaConfig, llama, llama_tiny, tiny_gpt
 
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -272,6 +272,22 @@ def test_stage_activations_match_the_saved_bytes(
         assert _within(estimate, bytes_), (index, estimate, bytes_, estimate / bytes_ - 1)
 
 
+def test_a_gpt_with_layernorm_gelu_and_a_fused_qkv() -> None:
+    """fprep's GPT (LayerNorm, a fused q/k/v projection, no rotary embeddings, a GELU MLP,
+    learned positions): the whole model within TOLERANCE (measured: 5% over, the position
+    embedding's indices counted as if they were tokens)."""
+    from fprep.memory import stage_inputs
+
+    model = tiny_gpt(seed=0).eval()  # eval: no dropout masks
+    seq = model.config.block_size
+    tokens = torch.randint(0, 64, (ROWS, seq), generator=torch.Generator().manual_seed(0))
+    state = fprep.plan(model, fprep.PrepConfig(precision="no")).unwrap()
+    estimate = stage_activations(state.tree, ("",), stage_inputs(state, ROWS, seq))
+    top = tuple(name for name, _ in model.named_children())
+    (measured,) = saved_bytes_per_stage(model, (top,), lambda: model(tokens))
+    assert _within(estimate, measured), (estimate, measured, estimate / measured - 1)
+
+
 def test_checkpointed_blocks_keep_only_their_inputs() -> None:
     """Activation checkpointing of every block (torch's non-reentrant checkpoint): the
     estimate within TOLERANCE of what is saved outside the blocks plus the blocks' inputs,
@@ -414,3 +430,23 @@ def test_the_readmes_405b_table_is_what_fprep_plan_prints(
     for line in lines:
         assert line in printed[at:], f"README.md: `fprep plan` no longer prints {line!r}"
         at = printed.index(line, at) + 1
+
+
+def test_checkpointed_blocks_under_sequence_parallelism_keep_a_sequence_shard() -> None:
+    """tp=2 with sequence_parallel: the stream between blocks is sharded on the sequence, so a
+    checkpointed block keeps half its input on each rank."""
+    from fprep.memory import stage_inputs
+
+    cfg = fprep.PrepConfig(
+        precision="no",
+        tp=2,
+        sequence_parallel=True,
+        activation_checkpointing=True,
+        wrap="LlamaBlock",
+    )
+    model = llama(LlamaConfig(n_layers=2), device="meta")
+    state = fprep.plan(model, cfg, fprep.Topology(world_size=2)).unwrap()
+    inputs = stage_inputs(state, ROWS, SEQ)
+    assert sorted(inputs.checkpointed) == ["layers.0", "layers.1"]
+    block = stage_activations(state.tree, ("layers.0",), inputs)
+    assert block == ROWS * SEQ * LlamaConfig().dim * 4 // 2
