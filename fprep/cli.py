@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import get_args
 
 import torch
@@ -22,13 +23,15 @@ from returns.result import Failure
 
 from fprep import demo
 from fprep.cli_model import FORMS, build_model
-from fprep.cli_report import memory_table, plan_json
+from fprep.cli_report import memory_table, pipeline_json, pipeline_table, plan_json
 from fprep.cli_run import run_command
-from fprep.config import Precision, PrepConfig, Sharding, Strategy
-from fprep.errors import ConfigError
+from fprep.config import PipelineSchedule, Precision, PrepConfig, Sharding, Strategy
+from fprep.errors import ConfigError, need
+from fprep.memory import estimate_memory
 from fprep.planning import plan
 from fprep.policies import repeated_block_classes
 from fprep.snapshot import ModuleTree
+from fprep.state import PrepState
 from fprep.topology import LAUNCHER_VARIABLES, Topology, detect_device_type
 
 
@@ -57,8 +60,56 @@ def _one_node_note(args: argparse.Namespace) -> str | None:
     )
 
 
+def _batch(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``(--batch, --seq-len)``: both or neither."""
+    if args.batch is None and args.seq_len is None:
+        return None
+    if args.batch is None or args.seq_len is None:
+        given, missing = (
+            ("--batch", "--seq-len") if args.seq_len is None else ("--seq-len", "--batch")
+        )
+        raise ConfigError(
+            f"{given} without {missing}: the activations need both the rows and the sequence "
+            "length.",
+            subject=missing.removeprefix("--").replace("-", "_"),
+            hint="Pass both, e.g. --batch 8 --seq-len 4096 (rows per data-parallel rank).",
+        )
+    for name, value in (("batch", args.batch), ("seq_len", args.seq_len)):
+        if value < 1:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {value}: it must be at least 1.",
+                subject=name,
+                hint="Give the rows per data-parallel rank and the tokens per row.",
+            )
+    return int(args.batch), int(args.seq_len)
+
+
+def _planned(model: torch.nn.Module, cfg: PrepConfig, topo: Topology) -> PrepState:
+    result = plan(model, cfg, topo)
+    if isinstance(result, Failure):
+        raise result.failure()
+    return result.unwrap()
+
+
+def _pipeline_states(
+    model: torch.nn.Module, cfg: PrepConfig, topo: Topology, state: PrepState
+) -> list[PrepState]:
+    """The plan of each pipeline rank's first rank, in pipeline order (the pp dimension is the
+    outermost: pipeline rank ``c`` starts at flat position ``c x world / pp``). One plan each,
+    of that rank's part of the model: never the whole world."""
+    mesh = need(state.process_group, "init_process_group", "fprep plan").mesh
+    stride = mesh.size // mesh.pp
+    states = []
+    for coordinate in range(mesh.pp):
+        rank = mesh.global_rank(coordinate * stride)
+        same = rank == topo.rank
+        states.append(state if same else _planned(model, cfg, replace(topo, rank=rank)))
+    return states
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     _check_nodes(args)
+    batch = _batch(args)
     notes: list[str] = []
     model = build_model(args.model, notes=notes)
     wrap = tuple(args.wrap) if args.wrap else repeated_block_classes(ModuleTree.of(model))
@@ -70,6 +121,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
         hsdp_shard_size=args.hsdp_shard_size,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
+        activation_checkpointing=args.activation_checkpointing,
     )
     topo = Topology(
         world_size=args.world_size,
@@ -77,18 +132,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         local_world_size=args.nproc_per_node or args.world_size,
         device_type=args.device_type,
     )
-    result = plan(model, cfg, topo)
-    if isinstance(result, Failure):
-        raise result.failure()
-    state = result.unwrap()
+    state = _planned(model, cfg, topo)
+    stages = _pipeline_states(model, cfg, topo, state) if state.pipeline is not None else None
+    if batch is not None:  # a batch the plan cannot split fails here, before any output
+        estimate_memory(state, batch=batch)
     one_node = _one_node_note(args)
     for note in (*notes, *([one_node] if one_node else [])):
         print(note if note.startswith("fprep: ") else f"fprep: note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps(plan_json(state, args.async_checkpoint), indent=2))
+        data = plan_json(state, args.async_checkpoint, batch)
+        data["pipeline"] = pipeline_json(stages, batch) if stages else None
+        print(json.dumps(data, indent=2))
     else:
         print(state.summary())
-        print(memory_table(state, args.async_checkpoint))
+        print(memory_table(state, args.async_checkpoint, batch))
+        if stages:
+            print(pipeline_table(stages, batch))
     return 0
 
 
@@ -276,6 +335,44 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="with --strategy hsdp: data-parallel ranks per shard group (default: a node's)",
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline ranks (the outermost mesh dim; the model's own pipeline plan splits it): "
+        "prints one line per pipeline rank (default 1)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        default="1F1B",
+        help=f"with --pp: one of {', '.join(get_args(PipelineSchedule))} (default 1F1B)",
+    )
+    p.add_argument(
+        "--pp-microbatches",
+        type=int,
+        default=None,
+        help="with --pp: micro-batches per step (default: one per stage)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="rows each data-parallel rank trains per step (with --seq-len): adds the "
+        "activations kept for backward at the peak",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per row (with --batch)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="checkpoint each wrapped block: it keeps only its input for backward",
     )
     p.add_argument(
         "--json",

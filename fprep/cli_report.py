@@ -1,7 +1,10 @@
 """What ``fprep plan`` prints about a plan: the per-rank memory table, or everything as JSON.
 
 The JSON carries every fact ``state.summary()`` prints (``tests/test_cli.py`` checks that the
-two agree), in numbers and lists rather than text, plus the memory table's bytes.
+two agree), in numbers and lists rather than text, plus the memory table's bytes. Under
+pipeline parallelism, also one line per pipeline rank (``pipeline_table``, ``pipeline_json``):
+its stages, their first and last modules and its bytes, from the plan of that pipeline rank's
+first rank.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import dataclasses
 import textwrap
 from typing import Any
 
-from fprep.memory import estimate_memory
+from fprep.memory import MemoryEstimate, estimate_memory, per_stage_activations
 from fprep.state import Fp8Plan, PrepState
 from fprep.summary import human_bytes
 
@@ -21,15 +24,29 @@ NOT_COUNTED = (
     "activations (they grow with batch size and sequence length)",
     "temporary buffers (collectives, allocator fragmentation, the CUDA context)",
 )
+#: What it leaves out when given a batch (``--batch`` and ``--seq-len``): activations counted.
+NOT_COUNTED_WITH_BATCH = (NOT_COUNTED[0], NOT_COUNTED[2])
+
+Batch = tuple[int, int]
 
 
-def memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
-    mem = estimate_memory(state, async_checkpoint=async_checkpoint)
+def _not_counted(batch: Batch | None) -> tuple[str, ...]:
+    return NOT_COUNTED if batch is None else NOT_COUNTED_WITH_BATCH
+
+
+def memory_table(
+    state: PrepState, async_checkpoint: bool = False, batch: Batch | None = None
+) -> str:
+    mem = estimate_memory(state, async_checkpoint=async_checkpoint, batch=batch)
     rows = [
         ("parameters", mem.params),
         ("gradients", mem.grads),
         ("Adam state", mem.adam),
         ("SGD momentum", mem.sgd_momentum),
+    ]
+    if batch is not None:
+        rows.append(("activations (peak)", mem.activations))
+    rows += [
         ("total (Adam)", mem.total("adam")),
         ("largest unit gathered", mem.largest_unit_unsharded),
     ]
@@ -39,7 +56,7 @@ def memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
         rows.append(("host: async staging max", mem.checkpoint_staging("adam")))
     lines += [f"  {name:<24}{human_bytes(value):>14}" for name, value in rows]
     lines += textwrap.wrap(
-        "the total leaves out: " + "; ".join(NOT_COUNTED) + ".",
+        "the total leaves out: " + "; ".join(_not_counted(batch)) + ".",
         width=96,
         initial_indent="  ",
         subsequent_indent="  ",
@@ -47,10 +64,12 @@ def memory_table(state: PrepState, async_checkpoint: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plan_json(state: PrepState, async_checkpoint: bool = False) -> dict[str, Any]:
+def plan_json(
+    state: PrepState, async_checkpoint: bool = False, batch: Batch | None = None
+) -> dict[str, Any]:
     """The plan as plain data: what ``state.summary()`` and the memory table print."""
     topo, tree, core, handles = state.topology, state.tree, state.core, state.param_handles
-    mem = estimate_memory(state, async_checkpoint=async_checkpoint)
+    mem = estimate_memory(state, async_checkpoint=async_checkpoint, batch=batch)
     memory: dict[str, Any] = {**dataclasses.asdict(mem), "total_adam": mem.total("adam")}
     if async_checkpoint:
         memory["async_staging_max"] = mem.checkpoint_staging("adam")
@@ -88,7 +107,89 @@ def plan_json(state: PrepState, async_checkpoint: bool = False) -> dict[str, Any
         "memory_bytes": memory,
         "memory_on_host": mem.on_host,
         "notes": _notes(state),
-        "total_leaves_out": list(NOT_COUNTED),
+        "batch": {"rows": batch[0], "seq_len": batch[1]} if batch else None,
+        "total_leaves_out": list(_not_counted(batch)),
+    }
+
+
+def _stage_spans(state: PrepState) -> list[tuple[int, str, str]]:
+    """(stage index, first module, last module) of this rank's stages."""
+    pipe = state.pipeline
+    assert pipe is not None
+    return [(k, pipe.split[k][0], pipe.split[k][-1]) for k in pipe.stages]
+
+
+def _rank_bytes(mem: MemoryEstimate) -> dict[str, int]:
+    return {
+        "params": mem.params,
+        "grads_and_adam": mem.grads + mem.adam,
+        "activations": mem.activations,
+        "total_adam": mem.total("adam"),
+    }
+
+
+def pipeline_table(states: list[PrepState], batch: Batch | None = None) -> str:
+    """One line per pipeline rank (``states``: the plan of each one's first rank, in pipeline
+    order): its stages with their first and last modules, and its bytes with Adam."""
+    pipe = states[0].pipeline
+    assert pipe is not None
+    spans = [
+        ", ".join(f"{k}: {first} .. {last}" for k, first, last in _stage_spans(s)) for s in states
+    ]
+    width = max(len("stages: first .. last module"), *map(len, spans))
+    shape = f" of {-(-batch[0] // pipe.microbatches)} x {batch[1]} tokens" if batch else ""
+    lines = [
+        f"per pipeline rank ({pipe.size} ranks, {pipe.num_stages} stages, {pipe.schedule}, "
+        f"{pipe.microbatches} micro-batches{shape}; bytes with Adam):",
+        f"  {'pp':>3} {'rank':>6}  {'stages: first .. last module':<{width}}  "
+        f"{'params':>10} {'grads+Adam':>11} {'activations':>11} {'total':>10}",
+    ]
+    for state, span in zip(states, spans, strict=True):
+        assert state.pipeline is not None
+        mem = _rank_bytes(estimate_memory(state, batch=batch))
+        activations = human_bytes(mem["activations"]) if batch else "-"
+        lines.append(
+            f"  {state.pipeline.rank:>3} {state.topology.rank:>6}  {span:<{width}}  "
+            f"{human_bytes(mem['params']):>10} {human_bytes(mem['grads_and_adam']):>11} "
+            f"{activations:>11} {human_bytes(mem['total_adam']):>10}"
+        )
+    if batch is None:
+        lines.append("  (activations: pass --batch ROWS --seq-len N)")
+    return "\n".join(lines)
+
+
+def pipeline_json(states: list[PrepState], batch: Batch | None = None) -> dict[str, Any]:
+    """``pipeline_table`` as data: the split, and per pipeline rank its stages and bytes."""
+    pipe = states[0].pipeline
+    assert pipe is not None
+    ranks = []
+    for state in states:
+        assert state.pipeline is not None
+        per_stage = per_stage_activations(state, batch) if batch else None
+        ranks.append(
+            {
+                "pp_rank": state.pipeline.rank,
+                "rank": state.topology.rank,
+                "stages": [
+                    {
+                        "index": k,
+                        "first": first,
+                        "last": last,
+                        "modules": len(state.pipeline.split[k]),
+                        "activations_per_microbatch": per_stage[i] if per_stage else None,
+                    }
+                    for i, (k, first, last) in enumerate(_stage_spans(state))
+                ],
+                "bytes": _rank_bytes(estimate_memory(state, batch=batch)),
+            }
+        )
+    return {
+        "size": pipe.size,
+        "schedule": pipe.schedule,
+        "microbatches": pipe.microbatches,
+        "num_stages": pipe.num_stages,
+        "split": [list(stage) for stage in pipe.split],
+        "ranks": ranks,
     }
 
 

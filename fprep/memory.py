@@ -6,6 +6,10 @@ local shard shape; DDP and fast_ddp keep everything whole (DDP adds its gradient
 fast_ddp its fused buffer). The transient all-gather of the largest unit (in the compute dtype)
 is reported separately. Asked for (``async_checkpoint=True``), the host memory that asynchronous
 checkpoint saves keep for their staged copy of this rank's state (``checkpoint_staging``).
+Given a batch (``batch=(rows, seq_len)``), the activations the rank keeps for backward at its
+peak: one micro-batch's per stage (``fprep.activations``) times the micro-batches the pipeline
+schedule holds in flight (``fprep.layout.in_flight``); without pipeline parallelism, one
+micro-batch of all the rows.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fprep.activations import ActivationInputs, stage_activations
 from fprep.errors import ConfigError, need
-from fprep.snapshot import dtype_bytes
+from fprep.layout import in_flight
+from fprep.snapshot import dtype_bytes, is_within
 
 if TYPE_CHECKING:  # a plan's reader, below the state it reads: no import of it at run time
     from fprep.state import PrepState
@@ -34,6 +40,8 @@ class MemoryEstimate:
     on_host: bool  # parameters, gradients and optimizer state live in host memory (offload)
     # fprep.save(wait=False)'s staging buffers: this rank's unpadded shards, in host memory
     staged_params: int = 0  # (only with estimate_memory(..., async_checkpoint=True))
+    #: activations kept for backward at the peak (only with estimate_memory(..., batch=...))
+    activations: int = 0
 
     @property
     def comm_buffers(self) -> int:
@@ -41,7 +49,13 @@ class MemoryEstimate:
 
     def total(self, optimizer: str = "adam") -> int:
         """Steady-state bytes with an optimizer: "adam"/"adamw", "sgd_momentum" or "sgd"."""
-        return self.params + self.grads + self._states(optimizer) + self.comm_buffers
+        return (
+            self.params
+            + self.grads
+            + self._states(optimizer)
+            + self.comm_buffers
+            + self.activations
+        )
 
     def checkpoint_staging(self, optimizer: str = "adam") -> int:
         """Host bytes an asynchronous save may stage (parameters and optimizer state: at most
@@ -65,8 +79,15 @@ class MemoryEstimate:
         return states[optimizer]
 
 
-def estimate_memory(state: PrepState, *, async_checkpoint: bool = False) -> MemoryEstimate:
-    """This rank's bytes of parameters, gradients and optimizer state under the plan."""
+def estimate_memory(
+    state: PrepState,
+    *,
+    async_checkpoint: bool = False,
+    batch: tuple[int, int] | None = None,
+) -> MemoryEstimate:
+    """This rank's bytes of parameters, gradients and optimizer state under the plan; with
+    ``batch=(rows, seq_len)`` (the rows one data-parallel rank trains per step), also the
+    activations it keeps for backward at its peak."""
     handles = need(state.param_handles, "init_param_handles", "estimate_memory")
     core = need(state.core, "init_core", "estimate_memory")
     runtime = need(state.runtime, "init_runtime", "estimate_memory")
@@ -106,4 +127,87 @@ def estimate_memory(state: PrepState, *, async_checkpoint: bool = False) -> Memo
         ),
         on_host=core.offload == "cpu",
         staged_params=staged if async_checkpoint else 0,
+        activations=activation_bytes(state, batch) if batch is not None else 0,
+    )
+
+
+def _checked_batch(batch: tuple[int, int]) -> tuple[int, int]:
+    ok = (
+        isinstance(batch, tuple)
+        and len(batch) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in batch)
+    )
+    if not ok:
+        raise ConfigError(
+            f"batch={batch!r} is not (rows, sequence length): two whole numbers of at least 1.",
+            subject="batch",
+            hint="Pass batch=(rows per data-parallel rank, sequence length), e.g. (8, 4096).",
+        )
+    return batch
+
+
+def _regions(state: PrepState) -> tuple[str, ...]:
+    """The activation-checkpointed regions: the outermost non-root units (as the checkpoint
+    step wraps them), none without activation checkpointing."""
+    if not state.config.activation_checkpointing or state.param_handles is None:
+        return ()
+    units = [u.fqn for u in state.param_handles.units if u.fqn]
+    return tuple(u for u in units if not any(o != u and is_within(u, o) for o in units))
+
+
+def stage_inputs(state: PrepState, rows: int, seq_len: int) -> ActivationInputs:
+    """The activation rule's inputs for a micro-batch of ``rows x seq_len`` under the plan."""
+    core = need(state.core, "init_core", "estimate_memory")
+    tps = state.tensor_parallel
+    whole = state.pipeline.whole if state.pipeline and state.pipeline.whole else state.tree
+    compute = core.precision.param_dtype or core.precision.autocast_dtype
+    if compute is None:
+        compute = state.tree.params[0].dtype if state.tree.params else "float32"
+    return ActivationInputs(
+        rows=rows,
+        seq_len=seq_len,
+        dtype_bytes=dtype_bytes(compute),
+        tp=tps.size if tps else 1,
+        styles=dict(tps.modules) if tps else {},
+        sequence_parallel=bool(tps) and state.config.sequence_parallel,
+        loss_parallel=bool(tps and tps.loss_parallel),
+        checkpointed=_regions(state),
+        vocab=frozenset(
+            p.shape[0]
+            for m in whole.modules
+            if m.is_a("torch.nn.modules.sparse.Embedding")
+            for p in [whole.param(f"{m.fqn}.weight")]
+            if p is not None and p.shape
+        ),
+    )
+
+
+def per_stage_activations(state: PrepState, batch: tuple[int, int]) -> tuple[int, ...]:
+    """Bytes one micro-batch keeps for backward in each of this rank's stages (one entry, the
+    whole model with all the rows, without pipeline parallelism)."""
+    rows, seq_len = _checked_batch(batch)
+    pipe = state.pipeline
+    if pipe is None:
+        return (stage_activations(state.tree, ("",), stage_inputs(state, rows, seq_len)),)
+    if rows < pipe.microbatches:
+        raise ConfigError(
+            f"batch={batch!r}: {rows} rows cannot make {pipe.microbatches} micro-batches "
+            "(pp_microbatches): some would be empty.",
+            subject="batch",
+            hint=f"Use at least {pipe.microbatches} rows per data-parallel rank, or fewer "
+            "micro-batches.",
+        )
+    rows_per_microbatch = -(-rows // pipe.microbatches)  # torch.tensor_split's largest chunk
+    inputs = stage_inputs(state, rows_per_microbatch, seq_len)
+    return tuple(stage_activations(state.tree, pipe.split[k], inputs) for k in pipe.stages)
+
+
+def activation_bytes(state: PrepState, batch: tuple[int, int]) -> int:
+    """The activations this rank keeps for backward at its peak, for ``batch``."""
+    per_stage = per_stage_activations(state, batch)
+    pipe = state.pipeline
+    if pipe is None:
+        return per_stage[0]
+    return in_flight.peak_activations(
+        pipe.schedule, pipe.size, pipe.rank, pipe.microbatches, per_stage
     )

@@ -486,3 +486,110 @@ def test_launch_warnings_name_exactly_what_is_missing(
     named = re.split(r" (?:is|are) not set", address[0])[0].split(" and ") if address else []
     missing = {"MASTER_ADDR", "MASTER_PORT"} - present
     assert set(named) == (missing if distributed else set()), warnings
+
+
+# -- pipeline parallelism: one line per pipeline rank -------------------------------------------
+PP_ARGV = [
+    "plan",
+    "fprep.testing.models:llama_tiny",
+    "--world-size",
+    "4",
+    "--pp",
+    "2",
+    "--pp-schedule",
+    "1F1B",
+    "--pp-microbatches",
+    "2",
+    "--precision",
+    "no",
+]
+PP_BATCH = ["--batch", "4", "--seq-len", "16"]
+
+
+def _pp_plans() -> list[Any]:
+    """What the command plans: the first rank of each pipeline rank (0 and 2 of 4)."""
+    import fprep
+    from fprep.testing.models import llama_tiny
+
+    cfg = fprep.PrepConfig(
+        pp=2, pp_schedule="1F1B", pp_microbatches=2, precision="no", wrap=("LlamaBlock",)
+    )
+    return [
+        fprep.plan(llama_tiny(), cfg, fprep.Topology(world_size=4, rank=rank)).unwrap()
+        for rank in (0, 2)
+    ]
+
+
+def test_plan_prints_each_pipeline_ranks_stages_and_bytes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import fprep
+    from fprep.summary import human_bytes
+
+    assert main([*PP_ARGV, *PP_BATCH]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("per pipeline rank") :].splitlines()
+    assert "2 ranks, 2 stages, 1F1B, 2 micro-batches of 2 x 16 tokens" in table[0]
+    assert len(table) == 4  # title, header, one line per pipeline rank
+    for line, state in zip(table[2:], _pp_plans(), strict=True):
+        pipe = state.pipeline
+        mem = fprep.estimate_memory(state, batch=(4, 16))
+        (stage,) = pipe.stages
+        assert line.split()[:2] == [str(pipe.rank), str(state.topology.rank)]
+        assert f"{stage}: {pipe.split[stage][0]} .. {pipe.split[stage][-1]}" in line
+        figures = [mem.params, mem.grads + mem.adam, mem.activations, mem.total("adam")]
+        assert re.findall(r"\d+(?:\.\d+)? [KMG]?i?B", line) == [human_bytes(n) for n in figures]
+        assert mem.activations > 0
+
+
+def test_plan_json_carries_the_pipeline_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    import fprep
+
+    assert main([*PP_ARGV, *PP_BATCH, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    pipeline = data["pipeline"]
+    assert data["batch"] == {"rows": 4, "seq_len": 16}
+    assert (pipeline["size"], pipeline["schedule"], pipeline["microbatches"]) == (2, "1F1B", 2)
+    for entry, state in zip(pipeline["ranks"], _pp_plans(), strict=True):
+        mem = fprep.estimate_memory(state, batch=(4, 16))
+        assert entry["rank"] == state.topology.rank and entry["pp_rank"] == state.pipeline.rank
+        assert entry["bytes"] == {
+            "params": mem.params,
+            "grads_and_adam": mem.grads + mem.adam,
+            "activations": mem.activations,
+            "total_adam": mem.total("adam"),
+        }
+        (stage,) = entry["stages"]
+        assert [stage["first"], stage["last"]] == [
+            state.pipeline.split[stage["index"]][0],
+            state.pipeline.split[stage["index"]][-1],
+        ]
+    assert data["memory_bytes"]["activations"] == pipeline["ranks"][0]["bytes"]["activations"]
+
+
+def test_plan_without_a_batch_says_how_to_count_activations(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(PP_ARGV) == 0
+    out = capsys.readouterr().out
+    assert "activations (they grow with batch size" in out.replace("\n  ", " ")
+    assert "(activations: pass --batch ROWS --seq-len N)" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--batch", "4"], "--batch without --seq-len"),
+        (["--seq-len", "16"], "--seq-len without --batch"),
+        (["--batch", "0", "--seq-len", "16"], "--batch 0"),
+        (["--batch", "1", "--seq-len", "16"], "1 rows cannot make 2 micro-batches"),
+        (["--pp-schedule", "Interleaved"], "pp_schedule"),
+    ],
+)
+def test_pipeline_options_fail_in_one_line(
+    capsys: pytest.CaptureFixture[str], extra: list[str], needle: str
+) -> None:
+    assert main([*PP_ARGV, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fprep: error:") and needle in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -318,7 +318,6 @@ def _claims() -> list[tuple[str, str]]:
             "getting_started.md",
             f"(`this rank params {half}` in the summary, against {whole} alone)",
         ),
-        ("README.md", f"({tp8['total']} per rank of parameters, gradients and Adam state;"),
         ("parallelism.md", f"the output head ({tp8['head']} each, split over tp)"),
         ("parallelism.md", f"gathers its TP slice of them, {tp8['root']} in bf16."),
         ("parallelism.md", f"A block's TP slice is {tp8['block']}."),
@@ -333,9 +332,10 @@ def _flat(text: str) -> str:
 
 
 def test_quoted_figures_are_what_the_code_computes() -> None:
-    """The plan figures pages quote in prose (the 405B plan's in README.md and parallelism.md,
-    train.py's shard in getting_started.md; the `fprep plan` output the pages show is compared
-    above): each sentence, rendered from the plan fprep makes now."""
+    """The plan figures pages quote in prose (the 405B plan's in parallelism.md, train.py's
+    shard in getting_started.md; the `fprep plan` output the pages show is compared above, the
+    README's in tests/test_pipeline_memory.py): each sentence, rendered from the plan fprep
+    makes now."""
     root = DOCS.parent
     stale = []
     for page, sentence in _claims():
