@@ -44,6 +44,8 @@ def memory_table(
         ("Adam state", mem.adam),
         ("SGD momentum", mem.sgd_momentum),
     ]
+    if mem.kept_gathered:
+        rows.append(("kept gathered", mem.kept_gathered))
     if batch is not None:
         rows.append(("activations (peak)", mem.activations))
     rows += [
@@ -124,6 +126,7 @@ def _rank_bytes(mem: MemoryEstimate) -> dict[str, int]:
         "params": mem.params,
         "grads_and_adam": mem.grads + mem.adam,
         "activations": mem.activations,
+        "gathered": mem.kept_gathered,
         "total_adam": mem.total("adam"),
     }
 
@@ -142,7 +145,7 @@ def pipeline_table(states: list[PrepState], batch: Batch | None = None) -> str:
         f"per pipeline rank ({pipe.size} ranks, {pipe.num_stages} stages, {pipe.schedule}, "
         f"{pipe.microbatches} micro-batches{shape}; bytes with Adam):",
         f"  {'pp':>3} {'rank':>6}  {'stages: first .. last module':<{width}}  "
-        f"{'params':>10} {'grads+Adam':>11} {'activations':>11} {'total':>10}",
+        f"{'params':>10} {'grads+Adam':>11} {'gathered':>10} {'activations':>11} {'total':>10}",
     ]
     for state, span in zip(states, spans, strict=True):
         assert state.pipeline is not None
@@ -151,7 +154,8 @@ def pipeline_table(states: list[PrepState], batch: Batch | None = None) -> str:
         lines.append(
             f"  {state.pipeline.rank:>3} {state.topology.rank:>6}  {span:<{width}}  "
             f"{human_bytes(mem['params']):>10} {human_bytes(mem['grads_and_adam']):>11} "
-            f"{activations:>11} {human_bytes(mem['total_adam']):>10}"
+            f"{human_bytes(mem['gathered']):>10} {activations:>11} "
+            f"{human_bytes(mem['total_adam']):>10}"
         )
     if batch is None:
         lines.append("  (activations: pass --batch ROWS --seq-len N)")

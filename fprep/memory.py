@@ -42,6 +42,10 @@ class MemoryEstimate:
     staged_params: int = 0  # (only with estimate_memory(..., async_checkpoint=True))
     #: activations kept for backward at the peak (only with estimate_memory(..., batch=...))
     activations: int = 0
+    #: the gathered (unsharded) parameters of the units below the root that stay gathered from
+    #: forward to backward (``reshard_after_forward=False``: sharding="grad_op", and the default
+    #: under pipeline parallelism, where every block of the rank's stages is gathered at once)
+    kept_gathered: int = 0
 
     @property
     def comm_buffers(self) -> int:
@@ -55,6 +59,7 @@ class MemoryEstimate:
             + self._states(optimizer)
             + self.comm_buffers
             + self.activations
+            + self.kept_gathered
         )
 
     def checkpoint_staging(self, optimizer: str = "adam") -> int:
@@ -91,7 +96,7 @@ def estimate_memory(
     handles = need(state.param_handles, "init_param_handles", "estimate_memory")
     core = need(state.core, "init_core", "estimate_memory")
     runtime = need(state.runtime, "init_runtime", "estimate_memory")
-    params = grads = trainable = largest = fused = staged = 0
+    params = grads = trainable = largest = fused = staged = kept = 0
     compute = core.precision.param_dtype
     for unit in handles.units:
         unsharded = 0
@@ -109,6 +114,11 @@ def estimate_memory(
             unsharded += p.gathered_numel * dtype_bytes(compute or p.dtype)
         if core.is_sharded:
             largest = max(largest, unsharded)
+            # a unit sharded over one rank is whole already; resharded ones are transient, and
+            # so is the root (FSDP2 gathers it last in forward and first in backward: the
+            # "largest unit gathered" line and the total's note cover it)
+            if unit.fqn and unit.reshard_after_forward is False and _shard_ranks(state) > 1:
+                kept += unsharded
     for p in handles.ignored:
         params += p.numel * dtype_bytes(p.dtype)
         staged += p.numel * dtype_bytes(p.dtype)
@@ -128,7 +138,13 @@ def estimate_memory(
         on_host=core.offload == "cpu",
         staged_params=staged if async_checkpoint else 0,
         activations=activation_bytes(state, batch) if batch is not None else 0,
+        kept_gathered=kept,
     )
+
+
+def _shard_ranks(state: PrepState) -> int:
+    pg = need(state.process_group, "init_process_group", "estimate_memory")
+    return pg.shard_size
 
 
 def _checked_batch(batch: tuple[int, int]) -> tuple[int, int]:

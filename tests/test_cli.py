@@ -131,7 +131,11 @@ def test_plan_total_says_what_it_leaves_out(
     assert main(["plan", "cli_models:build", "--world-size", "4", "--nproc-per-node", "4"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the note is wrapped over lines
     leaves_out = out[out.index("the total leaves out:") :]
-    for what in ("units gathered during forward and backward", "activations", "temporary"):
+    for what in (
+        "units gathered during forward and backward",
+        "activations",
+        "temporary",
+    ):
         assert what in leaves_out
     assert main(["plan", "cli_models:build", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -537,7 +541,13 @@ def test_plan_prints_each_pipeline_ranks_stages_and_bytes(
         (stage,) = pipe.stages
         assert line.split()[:2] == [str(pipe.rank), str(state.topology.rank)]
         assert f"{stage}: {pipe.split[stage][0]} .. {pipe.split[stage][-1]}" in line
-        figures = [mem.params, mem.grads + mem.adam, mem.activations, mem.total("adam")]
+        figures = [
+            mem.params,
+            mem.grads + mem.adam,
+            mem.kept_gathered,
+            mem.activations,
+            mem.total("adam"),
+        ]
         assert re.findall(r"\d+(?:\.\d+)? [KMG]?i?B", line) == [human_bytes(n) for n in figures]
         assert mem.activations > 0
 
@@ -557,8 +567,10 @@ def test_plan_json_carries_the_pipeline_ranks(capsys: pytest.CaptureFixture[str]
             "params": mem.params,
             "grads_and_adam": mem.grads + mem.adam,
             "activations": mem.activations,
+            "gathered": mem.kept_gathered,
             "total_adam": mem.total("adam"),
         }
+        assert mem.kept_gathered > 0  # fsdp over 2 ranks keeps each stage's blocks gathered
         (stage,) = entry["stages"]
         assert [stage["first"], stage["last"]] == [
             state.pipeline.split[stage["index"]][0],

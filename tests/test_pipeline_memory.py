@@ -450,3 +450,24 @@ def test_checkpointed_blocks_under_sequence_parallelism_keep_a_sequence_shard() 
     assert sorted(inputs.checkpointed) == ["layers.0", "layers.1"]
     block = stage_activations(state.tree, ("layers.0",), inputs)
     assert block == ROWS * SEQ * LlamaConfig().dim * 4 // 2
+
+
+def test_blocks_kept_gathered_under_pp_are_counted_in_the_total() -> None:
+    """Under pp FSDP2 keeps each stage's blocks gathered from the first micro-batch's forward to
+    the last one's backward (reshard_after_forward=False): every block of the rank counts;
+    resharded after forward, none does (the transient gathers stay in the total's note)."""
+    import fprep
+    from fprep.testing.models import LlamaConfig, llama
+
+    model = llama(LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2))
+    topo = fprep.Topology(world_size=4, rank=0)
+    kept = fprep.plan(model, fprep.PrepConfig(pp=2, wrap=("LlamaBlock",)), topo).unwrap()
+    mem = fprep.estimate_memory(kept)
+    assert kept.param_handles is not None
+    blocks = [u for u in kept.param_handles.units if u.fqn]
+    assert len(blocks) == 2  # layers.0 and layers.1 on stage 0
+    whole = sum(s.gathered_numel * 4 for u in blocks for s in u.params)  # fp32
+    assert mem.kept_gathered == whole
+    assert mem.total() == mem.params + mem.grads + mem.adam + whole
+    resharded = fprep.PrepConfig(pp=2, wrap=("LlamaBlock",), reshard_after_forward=True)
+    assert fprep.estimate_memory(fprep.plan(model, resharded, topo).unwrap()).kept_gathered == 0
