@@ -25,7 +25,7 @@ from fprep.state import PrepState
 @dataclass(frozen=True)
 class Group:
     """Who takes part: the default process group when the plan spans several processes (data
-    parallel, tensor parallel, or both), else nobody."""
+    parallel, tensor parallel, pipeline parallel, or several), else nobody."""
 
     distributed: bool
     rank: int
@@ -38,7 +38,7 @@ class Group:
         tps = state.tensor_parallel
         if (
             core is not None
-            and (core.is_distributed or tps is not None)
+            and (core.is_distributed or tps is not None or state.pipeline is not None)
             and dist.is_available()
             and dist.is_initialized()
         ):
