@@ -80,27 +80,47 @@ def refused(fn: Any) -> str:
     return "nothing raised"
 
 
+def attempt(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or the error every rank raised (fprep's errors are raised on every rank, so
+    the job goes on to its next case and the parent reports each case on its own)."""
+    try:
+        return fn(*args)
+    except fprep.PrepError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def saved_at_pp(root: str, kind: str) -> dict[str, Values]:
+    """One AdamW step at pp 2 x dp 2, saved (``kind`` state dicts); for the sharded one also
+    exported, and the run continued one step."""
+    extra = {"state_dict_type": "full"} if kind == "full" else {}
+    state, model, opt = prepared({**PP_DP, **extra})
+    train_step(state, model, opt, 0)
+    fprep.save(f"{root}/pp_{kind}", state, model, optimizers=opt, step=1)
+    out = {"saved": values(model, opt)}
+    if kind == "sharded":
+        fprep.export_full(f"{root}/pp_dp.safetensors", state, model)
+        train_step(state, model, opt, 1)
+        out["continued"] = values(model, opt)
+    return out
+
+
+def saved_at_dp(root: str) -> Values:
+    state, model, opt = prepared(DP)
+    train_step(state, model, opt, 0)
+    fprep.save(f"{root}/dp", state, model, optimizers=opt, step=1)
+    return values(model, opt)
+
+
 def layouts(root: str) -> dict[str, Any]:
     """The 4-rank job (see the module docs); directories under ``root``."""
     out: dict[str, Any] = {}
-    for kind, extra in (("sharded", {}), ("full", {"state_dict_type": "full"})):
-        state, model, opt = prepared({**PP_DP, **extra})
-        train_step(state, model, opt, 0)
-        fprep.save(f"{root}/pp_{kind}", state, model, optimizers=opt, step=1)
-        out[f"saved_{kind}"] = values(model, opt)
-        if kind == "sharded":
-            fprep.export_full(f"{root}/pp_dp.safetensors", state, model)
-            train_step(state, model, opt, 1)
-            out["continued"] = values(model, opt)
+    for kind in ("sharded", "full"):
+        out[f"pp_{kind}"] = attempt(saved_at_pp, root, kind)
     for name, fields in (("dp", DP), ("pp_tp", PP_TP), ("pp_dp", PP_DP)):
-        out[f"load_{name}"] = loaded(f"{root}/pp_sharded", fields)
-    out["load_full_dp"] = loaded(f"{root}/pp_full", DP)
-
-    state, model, opt = prepared(DP)  # the reverse: saved without pp, loaded with it
-    train_step(state, model, opt, 0)
-    fprep.save(f"{root}/dp", state, model, optimizers=opt, step=1)
-    out["saved_dp"] = values(model, opt)
-    out["reverse"] = loaded(f"{root}/dp", PP_DP)
+        out[f"load_{name}"] = attempt(loaded, f"{root}/pp_sharded", fields)
+    out["load_full_dp"] = attempt(loaded, f"{root}/pp_full", DP)
+    out["saved_dp"] = attempt(saved_at_dp, root)  # the reverse: saved without pp
+    out["reverse"] = attempt(loaded, f"{root}/dp", PP_DP)
 
     state, model, opt = prepared({"pp": 2}, kind="hf_llama")  # another model's checkpoint
     out["other_model"] = refused(lambda: fprep.load(f"{root}/pp_sharded", state, model))

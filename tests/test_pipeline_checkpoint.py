@@ -30,15 +30,23 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
     return root, run_ranks(C.run, 2, "exports", str(root), timeout_s=900)
 
 
-def whole(per_rank: list[C.Values]) -> C.Values:
-    """The ranks' values as one model's: ranks of one stage hold the same values, bitwise."""
+def whole(per_rank: list[Any]) -> C.Values:
+    """The ranks' values as one model's: ranks of one stage hold the same values, bitwise.
+    (A case that failed holds the error every rank raised.)"""
     out: C.Values = {}
     for values in per_rank:
+        assert isinstance(values, dict), values
         for name, value in values.items():
             if name in out:
                 assert np.array_equal(out[name], value), name
             out[name] = value
     return out
+
+
+def _ok(result: Any) -> Any:
+    """A case's result; a failed case holds the error its ranks raised."""
+    assert not isinstance(result, str), result
+    return result
 
 
 def assert_bitwise(got: C.Values, want: C.Values) -> None:
@@ -59,8 +67,8 @@ def test_pp_checkpoint_loads_at_another_layout_bitwise(
     layouts: tuple[Path, list[dict[str, Any]]], layout: str
 ) -> None:
     _, results = layouts
-    saved = whole([r["saved_sharded"] for r in results])
-    assert_bitwise(whole([r[f"load_{layout}"][0] for r in results]), saved)
+    saved = whole([_ok(r["pp_sharded"])["saved"] for r in results])
+    assert_bitwise(whole([_ok(r[f"load_{layout}"])[0] for r in results]), saved)
 
 
 def test_full_state_dict_at_pp_keeps_every_stage(
@@ -68,8 +76,8 @@ def test_full_state_dict_at_pp_keeps_every_stage(
 ) -> None:
     """A full state dict is gathered per stage (torch's would keep rank 0's stage only)."""
     _, results = layouts
-    saved = whole([r["saved_full"] for r in results])
-    assert_bitwise(whole([r["load_full_dp"][0] for r in results]), saved)
+    saved = whole([_ok(r["pp_full"])["saved"] for r in results])
+    assert_bitwise(whole([_ok(r["load_full_dp"])[0] for r in results]), saved)
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
@@ -78,15 +86,15 @@ def test_one_process_loads_a_pp_checkpoint(
 ) -> None:
     root, results = layouts
     got, after = C.loaded(str(root / f"pp_{kind}"), {})
-    assert_bitwise(got, whole([r[f"saved_{kind}"] for r in results]))
+    assert_bitwise(got, whole([_ok(r[f"pp_{kind}"])["saved"] for r in results]))
     if kind == "sharded":
-        assert_close(after, whole([r["continued"] for r in results]))
+        assert_close(after, whole([_ok(r["pp_sharded"])["continued"] for r in results]))
 
 
 def test_dp_checkpoint_loads_under_pp(layouts: tuple[Path, list[dict[str, Any]]]) -> None:
     _, results = layouts
     assert_bitwise(
-        whole([r["reverse"][0] for r in results]), whole([r["saved_dp"] for r in results])
+        whole([_ok(r["reverse"])[0] for r in results]), whole([r["saved_dp"] for r in results])
     )
 
 
@@ -94,11 +102,11 @@ def test_a_step_after_loading_continues_the_run(
     layouts: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     _, results = layouts
-    continued = whole([r["continued"] for r in results])
-    same_layout = whole([r["load_pp_dp"][1] for r in results])
+    continued = whole([_ok(r["pp_sharded"])["continued"] for r in results])
+    same_layout = whole([_ok(r["load_pp_dp"])[1] for r in results])
     assert_bitwise(same_layout, continued)
     for layout in ("dp", "pp_tp"):
-        assert_close(whole([r[f"load_{layout}"][1] for r in results]), continued)
+        assert_close(whole([_ok(r[f"load_{layout}"])[1] for r in results]), continued)
 
 
 def test_refusals_under_pp(layouts: tuple[Path, list[dict[str, Any]]]) -> None:
