@@ -24,6 +24,7 @@ import fprep
 from fprep.testing.models import lm_loss
 
 LR = 1e-2
+FRESH_LR = 0.5
 PP_DP: dict[str, Any] = {"pp": 2, "wrap": ("LlamaBlock",)}  # at 4 ranks: pp 2 x dp 2 (FSDP)
 DP: dict[str, Any] = {"strategy": "fsdp", "wrap": ("LlamaBlock",)}
 PP_TP: dict[str, Any] = {"pp": 2, "tp": 2}
@@ -111,6 +112,17 @@ def saved_at_dp(root: str) -> Values:
     return values(model, opt)
 
 
+def fresh(root: str) -> tuple[float, int]:
+    """An optimizer saved before its first step at pp 2 x dp 2, loaded at dp 4: its learning
+    rate and how many state entries the loaded one holds."""
+    state, model = fprep.prepare(W.build("llama"), fprep.PrepConfig(**PP_DP))
+    opt = torch.optim.AdamW(model.parameters(), lr=FRESH_LR)
+    fprep.save(f"{root}/fresh", state, model, optimizers=opt)
+    state, model, opt = prepared(DP)
+    fprep.load(f"{root}/fresh", state, model, optimizers=opt)
+    return opt.param_groups[0]["lr"], len(opt.state)
+
+
 def layouts(root: str) -> dict[str, Any]:
     """The 4-rank job (see the module docs); directories under ``root``."""
     out: dict[str, Any] = {}
@@ -121,6 +133,7 @@ def layouts(root: str) -> dict[str, Any]:
     out["load_full_dp"] = attempt(loaded, f"{root}/pp_full", DP)
     out["saved_dp"] = attempt(saved_at_dp, root)  # the reverse: saved without pp
     out["reverse"] = attempt(loaded, f"{root}/dp", PP_DP)
+    out["fresh"] = attempt(fresh, root)
 
     state, model, opt = prepared({"pp": 2}, kind="hf_llama")  # another model's checkpoint
     out["other_model"] = refused(lambda: fprep.load(f"{root}/pp_sharded", state, model))

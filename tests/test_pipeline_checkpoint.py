@@ -2,7 +2,9 @@
 dp 4, at pp 2 x tp 2, at pp 2 x dp 2 and in one process, and a dp 4 checkpoint loads at
 pp 2 x dp 2, every parameter and optimizer tensor bitwise; a step after loading continues the
 run; ``export_full`` and ``save_pretrained`` at pp 2 write one process's bytes. One spawned job
-per world size (tests/_pipeline_checkpoint_workers.py)."""
+per world size (tests/_pipeline_checkpoint_workers.py). The merging of the stages' optimizer
+records and its inverse, the restriction to one rank's parameters, are property-tested in one
+process first."""
 
 from __future__ import annotations
 
@@ -12,10 +14,105 @@ from typing import Any
 import _pipeline_checkpoint_workers as C
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from fprep.checkpoint import pipeline
+from fprep.checkpoint.format.manifest import OptimizerRecord
+from fprep.errors import CheckpointError
+from fprep.layout.mesh import MeshPlan
+from fprep.state import PipelineState
 from fprep.testing.distributed import run_ranks
 
 TOL = 1e-5  # another layout sums in another order: a step after loading equals within this
+
+
+def _plan(num_stages: int, pp: int) -> PipelineState:
+    """Stage ``s`` holds the module ``layers.s``; pp rank ``r`` runs stages r, r + pp, ..."""
+    return PipelineState(
+        mesh=MeshPlan(world_size=pp, rank=0, pp=pp),
+        schedule="Interleaved1F1B" if num_stages > pp else "1F1B",
+        microbatches=num_stages,
+        split=tuple((f"layers.{s}",) for s in range(num_stages)),
+        stages=tuple(range(0, num_stages, pp)),
+        source="config",
+    )
+
+
+@st.composite
+def _stage_optimizers(draw: st.DrawFn) -> tuple[PipelineState, list[pipeline.StageRecords]]:
+    """A pipeline's plan and every pp rank's record of one optimizer: each parameter in one of
+    the groups (the same hyperparameters on every rank), state for some of them."""
+    pp = draw(st.integers(1, 3))
+    plan = _plan(pp * draw(st.integers(1, 2)), pp)
+    n_groups = draw(st.integers(1, 3))
+    hyper = [{"lr": draw(st.floats(1e-4, 1.0)), "betas": {"$tuple": [0.9, 0.99]}}] * n_groups
+    per_rank = []
+    for r in range(pp):
+        stages = tuple(range(r, plan.num_stages, pp))
+        groups: list[list[str]] = [[] for _ in range(n_groups)]
+        state = {}
+        for s in stages:
+            for k in range(draw(st.integers(1, 3))):
+                name = f"layers.{s}.w{k}"
+                groups[draw(st.integers(0, n_groups - 1))].append(name)
+                if draw(st.booleans()):
+                    state[name] = {"exp_avg": {"$tensor": f"optimizer/0/state/{name}/exp_avg"}}
+        skeleton = {
+            "state": state,
+            "param_groups": [{**h, "params": g} for h, g in zip(hyper, groups, strict=True)],
+        }
+        per_rank.append((stages, [OptimizerRecord(cls="torch.optim.adamw.AdamW", state=skeleton)]))
+    return plan, per_rank
+
+
+@settings(max_examples=60, deadline=None)
+@given(_stage_optimizers())
+def test_merged_records_restrict_to_each_ranks_own(
+    drawn: tuple[PipelineState, list[pipeline.StageRecords]],
+) -> None:
+    """Merged over the stages, then restricted to what a rank holds: that rank's record."""
+    plan, per_rank = drawn
+    (merged,) = pipeline.merge(plan, per_rank)
+    held = {
+        r: {n for g in rec[0].state["param_groups"] for n in g["params"]}
+        for r, (_, rec) in enumerate(per_rank)
+    }
+    for r, (_, records) in enumerate(per_rank):
+        others = {n: () for q, ns in held.items() if q != r for n in ns}
+        assert pipeline.restrict(merged.state, others) == records[0].state
+    for g, group in enumerate(merged.state["param_groups"]):  # in stage order
+        stages = [pipeline.stage_of(plan, n) for n in group["params"]]
+        assert stages == sorted(stages), g
+    assert sum(len(g["params"]) for g in merged.state["param_groups"]) == sum(
+        map(len, held.values())
+    )
+
+
+def test_stages_that_disagree_are_refused_by_group() -> None:
+    plan = _plan(2, 2)
+    per_rank: list[pipeline.StageRecords] = [
+        (
+            (s,),
+            [
+                OptimizerRecord(
+                    cls="torch.optim.sgd.SGD",
+                    state={
+                        "state": {},
+                        "param_groups": [
+                            {"lr": 0.1, "params": [f"layers.{s}.w"]},
+                            {"lr": 0.1 * (1 + s), "params": [f"layers.{s}.b"]},
+                        ],
+                    },
+                )
+            ],
+        )
+        for s in range(2)
+    ]
+    with pytest.raises(CheckpointError) as error:
+        pipeline.merge(plan, per_rank)
+    assert error.value.subject == "optimizers[0].param_groups[1]"
+    assert "'lr' different on stage 1" in str(error.value)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +193,14 @@ def test_dp_checkpoint_loads_under_pp(layouts: tuple[Path, list[dict[str, Any]]]
     assert_bitwise(
         whole([_ok(r["reverse"])[0] for r in results]), whole([r["saved_dp"] for r in results])
     )
+
+
+def test_an_optimizer_that_never_stepped_loads_fresh(
+    layouts: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = layouts
+    for r in results:
+        assert _ok(r["fresh"]) == (C.FRESH_LR, 0)  # the saved learning rate, no state
 
 
 def test_a_step_after_loading_continues_the_run(
