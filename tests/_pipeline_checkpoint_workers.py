@@ -5,8 +5,9 @@ that the parent compares bitwise with each other and with one process.
 ``layouts`` (4 ranks): AdamW after one step saved at pp 2 x dp 2 (sharded, and full), then the
 values loaded at dp 4, at pp 2 x tp 2 and at pp 2 x dp 2, one more step after each; the
 reverse (saved at dp 4, loaded at pp 2 x dp 2); the refusals. ``exports`` (2 ranks):
-``export_full`` and ``save_pretrained`` of transformers' Llama at pp 2. Every value is taken
-whole (``full_tensor``: every rank of a stage holds the same parameters, in the same order).
+``export_full`` and ``save_pretrained`` of transformers' Llama at pp 2, and AdamW saved with
+two stages per rank. Every value is taken whole (``full_tensor``: every rank of a stage holds
+the same parameters, in the same order).
 """
 
 from __future__ import annotations
@@ -148,12 +149,23 @@ def layouts(root: str) -> dict[str, Any]:
     return out
 
 
+def interleaved(root: str) -> Values:
+    """Two stages per rank (Interleaved1F1B at pp 2): one AdamW step, saved."""
+    state, model, opt = prepared({"pp": 2, "pp_schedule": "Interleaved1F1B"})
+    assert state.pipeline is not None and len(state.pipeline.stages) == 2
+    train_step(state, model, opt, 0)
+    fprep.save(f"{root}/interleaved", state, model, optimizers=opt, step=1)
+    return values(model, opt)
+
+
 def exports(root: str) -> dict[str, Any]:
-    """The 2-rank job: transformers' Llama at pp 2, written whole (see the module docs)."""
+    """The 2-rank job: transformers' Llama at pp 2, written whole (see the module docs), and a
+    checkpoint of two stages per rank."""
     state, model = fprep.prepare(W.build("hf_llama"), fprep.PrepConfig(pp=2))
     fprep.export_full(f"{root}/pp.safetensors", state, model)
     fprep.save_pretrained(f"{root}/pp_pretrained", state, model)
-    return {"held": sorted(n for n, _ in model.named_parameters())}
+    held = sorted(n for n, _ in model.named_parameters())
+    return {"held": held, "interleaved": attempt(interleaved, root)}
 
 
 def run(job: str, root: str) -> Any:

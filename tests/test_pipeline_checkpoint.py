@@ -234,6 +234,14 @@ def test_export_full_at_pp_dp_equals_one_process(
     assert (root / "pp_dp.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
 
 
+def test_two_stages_per_rank_load_in_one_process(
+    exports: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, results = exports
+    got, _ = C.loaded(str(root / "interleaved"), {})
+    assert_bitwise(got, whole([_ok(r["interleaved"]) for r in results]))
+
+
 def test_export_and_save_pretrained_at_pp_equal_one_process(
     exports: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
