@@ -11,7 +11,9 @@ Tensors sharded on dim 0 (FSDP, and HSDP within rank 0's replica) reach rank 0 s
 point to point, each written as it arrives: two receive buffers of one shard each on rank 0
 (reused for every tensor), nothing beyond the shard elsewhere. (``DTensor.full_tensor()`` would
 all-gather onto every rank, and gloo's all-gather and gather stage a second full copy.) Other
-DTensors use ``full_tensor()``.
+DTensors use ``full_tensor()``. Under pipeline parallelism the header lists the whole model's
+tensors in one process's order (one all-gather over the pipeline ranks); rank 0's stage streams
+its tensors as above, and one rank of each other stage sends each of its tensors whole to rank 0.
 The file appears whole or not at all (``sink.py``: a temporary file, fsynced, then
 ``os.replace``; at an fsspec URL the file system's one-file transaction). Any ``OSError``
 (permissions, a full disk, a path that is a directory or runs through a file) becomes a
