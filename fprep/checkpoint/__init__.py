@@ -11,7 +11,8 @@
 
 Here: ``writing`` (save), ``reading`` (load), ``export``, ``states`` (flat tensor dicts),
 ``validate``, ``optim_fit``, ``rng``, ``collective``, ``same_path`` (every rank names one
-place), ``info``. Three rooms below:
+place), ``pipeline`` (the whole model's checkpoint from pipeline stages), ``info``. Three
+rooms below:
 ``format`` (raw tensor bytes and DCP metadata as JSON, the manifest, nested state as JSON, file
 digests), ``stores`` (a local root or an fsspec URL: step directories, ``latest``, publishing,
 the lock) and ``asynchronous`` (staging, the background thread, verification before publish).

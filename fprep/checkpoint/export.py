@@ -11,7 +11,9 @@ Tensors sharded on dim 0 (FSDP, and HSDP within rank 0's replica) reach rank 0 s
 point to point, each written as it arrives: two receive buffers of one shard each on rank 0
 (reused for every tensor), nothing beyond the shard elsewhere. (``DTensor.full_tensor()`` would
 all-gather onto every rank, and gloo's all-gather and gather stage a second full copy.) Other
-DTensors use ``full_tensor()``.
+DTensors use ``full_tensor()``. Under pipeline parallelism the header lists the whole model's
+tensors in one process's order (one all-gather over the pipeline ranks); rank 0's stage streams
+its tensors as above, and one rank of each other stage sends each of its tensors whole to rank 0.
 The file appears whole or not at all (``sink.py``: a temporary file, fsynced, then
 ``os.replace``; at an fsspec URL the file system's one-file transaction). Any ``OSError``
 (permissions, a full disk, a path that is a directory or runs through a file) becomes a
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from fprep.checkpoint import pipeline
 from fprep.checkpoint.collective import Group
 from fprep.checkpoint.format.files import os_failure
 from fprep.checkpoint.format.storage import plain, progress
@@ -39,6 +43,7 @@ from fprep.checkpoint.states import buffer_dtypes
 from fprep.checkpoint.stores.backend import is_url
 from fprep.checkpoint.stores.sink import Sink, open_sink
 from fprep.errors import CheckpointError
+from fprep.layout.mesh import DIM_ORDER
 from fprep.state import PrepState
 from fprep.tensor_bytes import byte_view
 from fprep.unwrap import _original_class as original_class  # FSDP<Class> -> Class
@@ -120,26 +125,43 @@ def _target(path: str | os.PathLike[str]) -> Path | str:
     return str(path) if is_url(path) else Path(path)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the file: its name, dtype and shape there; ``value`` is this rank's (None
+    when another pipeline stage holds it); ``sender`` the rank that sends it whole to rank 0
+    when rank 0's stage does not hold it (None: rank 0's stage gathers it as without pp)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    value: torch.Tensor | None
+    sender: int | None = None
+
+
 def _write_full(
     target: Path | str, group: Group, state: PrepState, model: nn.Module, select: Select | None
 ) -> Path | str:
     """``export_selected`` once the ranks agree on ``target``."""
     error: BaseException | None = None
-    values: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    values: list[tuple[str, torch.Tensor, torch.dtype, str]] = []
+    entries: list[_Entry] = []
     sink: Sink | None = None
     try:
-        originals = buffer_dtypes(state)
-        everything = get_model_state_dict(model)
-        picked = select(everything) if select is not None else everything
-        by_id = {id(v): k for k, v in everything.items()}
-        for name, value in picked.items():
-            original = originals.get(by_id.get(id(value), name))
-            if isinstance(value, torch.Tensor):
-                values.append((name, value, original if original is not None else value.dtype))
-        head = header([(n, d, tuple(v.shape)) for n, v, d in values])
-        if group.rank == 0:
-            sink = open_sink(target)
-            sink.write(head)
+        values = _values(state, model, select)
+    except Exception as e:
+        error = _failed(e, target)
+    whole = _whole_entries(state, None if error is not None else values)  # pp: a collective
+    try:
+        if error is None:
+            entries = (
+                whole
+                if whole is not None
+                else [_Entry(n, d, tuple(v.shape), v) for n, v, d, _ in values]
+            )
+            head = header([(e.name, e.dtype, e.shape) for e in entries])
+            if group.rank == 0:
+                sink = open_sink(target)
+                sink.write(head)
     except Exception as e:
         error = _failed(e, target)
     try:
@@ -149,15 +171,15 @@ def _write_full(
         raise
     error = None
     buffers = _Buffers()
-    total = sum(v.numel() * dtype.itemsize for _, v, dtype in values)
+    total = sum(_prod(e.shape) * e.dtype.itemsize for e in entries)
     bar = progress("fprep: export", total, group.rank == 0)
     try:
         with bar:
-            for _name, value, dtype in values:
-                for part in _pieces(value.detach(), buffers):  # collectives: every rank, in order
+            for entry in entries:
+                for part in _parts(entry, buffers, group.rank):  # collectives: in order
                     if sink is not None and error is None:
                         try:
-                            data = part.to(device="cpu", dtype=dtype).contiguous()
+                            data = part.to(device="cpu", dtype=entry.dtype).contiguous()
                             sink.write(byte_view(data))
                             bar.advance(data.numel() * data.element_size())
                             del data
@@ -173,6 +195,95 @@ def _write_full(
         _discard(sink)
     group.agree(error)
     return target
+
+
+def _values(
+    state: PrepState, model: nn.Module, select: Select | None
+) -> list[tuple[str, torch.Tensor, torch.dtype, str]]:
+    """This rank's tensors to write: (name in the file, value, dtype to write, state-dict key)."""
+    originals = buffer_dtypes(state)
+    everything = get_model_state_dict(model)
+    picked = select(everything) if select is not None else everything
+    by_id = {id(v): k for k, v in everything.items()}
+    values = []
+    for name, value in picked.items():
+        key = by_id.get(id(value), name)
+        original = originals.get(key)
+        if isinstance(value, torch.Tensor):
+            values.append((name, value, original if original is not None else value.dtype, key))
+    return values
+
+
+def _whole_entries(
+    state: PrepState, values: list[tuple[str, torch.Tensor, torch.dtype, str]] | None
+) -> list[_Entry] | None:
+    """Under pipeline parallelism, the whole model's entries in the order one process writes
+    them (``values`` of every pipeline rank: one all-gather over the pp group); None without
+    pp, or when a rank failed (``values=None``)."""
+    plan = pipeline.plan_of(state)
+    if plan is None or plan.whole is None:
+        return None
+    pg = state.process_group
+    assert pg is not None  # a pipeline plan is made from the mesh record
+    stage_ranks = pg.mesh.group(*(d for d in DIM_ORDER if d != "pp"))
+    mine = None
+    if values is not None:
+        mine = (
+            stage_ranks[0],  # sends what rank 0's stage does not hold
+            0 in stage_ranks,
+            [(n, str(d).removeprefix("torch."), tuple(v.shape), k) for n, v, d, k in values],
+        )
+    gathered = pipeline.gather_over_stages(state, mine)
+    if any(g is None for g in gathered):
+        return None
+    order = pipeline.whole_order(plan.whole)
+    own = {n: v for n, v, _, _ in values or ()}
+    me = pg.mesh.coordinate("pp")
+    found: dict[str, tuple[tuple[int, int, int], _Entry]] = {}
+    for index, (keeper, with_rank0, listed) in enumerate(gathered):
+        for position, (name, dtype, shape, key) in enumerate(listed):
+            if name in found:
+                continue  # a buffer every stage keeps: the first stage's
+            entry = _Entry(
+                name,
+                getattr(torch, dtype),
+                tuple(shape),
+                own[name] if index == me else None,
+                None if with_rank0 else keeper,
+            )
+            found[name] = ((order.get(key, len(order)), index, position), entry)
+    return [entry for _, entry in sorted(found.values(), key=lambda item: item[0])]
+
+
+def _parts(entry: _Entry, buffers: _Buffers, rank: int) -> Any:
+    """The pieces of ``entry`` rank 0 writes, in order (on rank 0; nothing elsewhere). A
+    collective: every rank calls it for the same entries in the same order."""
+    import torch.distributed as dist
+
+    if entry.sender is None:
+        if entry.value is not None:
+            yield from _pieces(entry.value.detach(), buffers)
+        return
+    device = _wire_device()
+    if entry.value is not None:  # another stage's rank gathers it, one of them sends it whole
+        parts = list(_pieces(entry.value.detach(), buffers))
+        if rank == entry.sender:
+            whole = torch.cat(parts) if len(parts) > 1 else parts[0]
+            dist.send(whole.to(device=device, dtype=entry.dtype).contiguous(), dst=0)
+        return
+    if rank == 0:
+        received = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        dist.recv(received, src=entry.sender)
+        yield received
+
+
+def _wire_device() -> torch.device:
+    """Where point-to-point tensors travel: the GPU for NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _dim0_group(value: Any) -> tuple[Any, int, int, bool] | None:

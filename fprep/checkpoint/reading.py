@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from fprep.checkpoint import optim_fit, rng, validate
+from fprep.checkpoint import optim_fit, pipeline, rng, validate
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.format import metadata as md_json
 from fprep.checkpoint.format.encoding import decode, encode, tensor_keys
@@ -55,6 +55,7 @@ from fprep.checkpoint.states import (
     class_name,
     fresh_skeleton,
     group_params,
+    model_key,
     model_tensors,
     optimizer_prefix,
 )
@@ -168,6 +169,13 @@ def _plan(
     live_model = model_tensors(state, model, for_save=False)
     live: dict[str, torch.Tensor] = dict(live_model)
     saved_for_compare = {k: v for k, v in saved.items() if k.startswith(MODEL + "/")}
+    # under pipeline parallelism: what other stages hold is compared (its shape), not loaded
+    others = pipeline.elsewhere(state)
+    expected: dict[str, validate.Spec] = {}
+    for fqn, shape in others.items():
+        key = model_key(fqn)
+        found = saved.get(key)
+        expected[key] = (shape, found[1] if found is not None else torch.float32)
 
     # optimizers: structure first, so that a mismatch fails before any optimizer state exists
     if len(opts) > len(manifest.optimizers):
@@ -190,7 +198,7 @@ def _plan(
     for i, (opt, saved_opt) in enumerate(zip(opts, manifest.optimizers, strict=False)):
         prefix = optimizer_prefix(i)
         what = f"the checkpoint's optimizer {i}"
-        saved_skel = saved_opt.state
+        saved_skel = pipeline.restrict(saved_opt.state, others)  # this rank's parameters
         same_class = saved_opt.cls == class_name(opt)
         if not same_class:
             message = f"optimizer {i} is a {class_name(opt)}; the checkpoint's is a {saved_opt.cls}"
@@ -237,7 +245,14 @@ def _plan(
             # by _restore on failure)
             plan.live = encode(osd, prefix, plan.live_tensors)
             live.update(plan.live_tensors)
-            saved_for_compare.update({k: v for k, v in saved.items() if k.startswith(prefix + "/")})
+            saved_for_compare.update(
+                {
+                    k: v
+                    for k, v in saved.items()
+                    if k.startswith(prefix + "/")
+                    and not pipeline.optimizer_key_elsewhere(k, others)
+                }
+            )
         live_groups = group_params(osd)
         saved_groups = [list(g["params"]) for g in groups]
         if saved_groups != live_groups:
@@ -255,7 +270,7 @@ def _plan(
         _check_fit(plan, structure, osd, source, notes)
         plans.append(plan)
 
-    diff = validate.compare({k: _spec(v) for k, v in live.items()}, saved_for_compare)
+    diff = validate.compare({k: _spec(v) for k, v in live.items()} | expected, saved_for_compare)
     validate.check(diff, strict=strict, source=source)
 
     scheduler_state = None

@@ -61,10 +61,13 @@ def options(state: PrepState, *, for_save: bool) -> StateDictOptions:
     """Full state dicts (gathered to rank 0, on the CPU) when the plan says so, for saving.
 
     Loading always targets this rank's shards: DCP reads each rank's part of any layout, so a
-    full checkpoint never has to be materialized whole on one rank to be loaded.
+    full checkpoint never has to be materialized whole on one rank to be loaded. Under pipeline
+    parallelism torch would keep global rank 0's stage only: the sharded state dict is taken
+    and ``pipeline.keep_full`` gathers it onto one rank per stage.
     """
     sd = state.state_dict
-    full = for_save and sd is not None and sd.type == "full"
+    staged = state.pipeline is not None and state.pipeline.size > 1
+    full = for_save and sd is not None and sd.type == "full" and not staged
     return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 

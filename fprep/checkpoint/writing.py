@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fprep.checkpoint import rng
+from fprep.checkpoint import pipeline, rng
 from fprep.checkpoint.asynchronous.verify import verify_written
 from fprep.checkpoint.collective import Group, unwrap_dcp_error
 from fprep.checkpoint.format.encoding import encode
@@ -153,25 +153,35 @@ def collect(
             scaler = _grad_scaler_state(state)
             tensors: dict[str, torch.Tensor] = model_tensors(state, model, for_save=True)
             records = split_optimizers(state, model, opts, tensors, for_save=True)
+            if sd_state.type == "full":
+                tensors = pipeline.keep_full(state, tensors)
             collected.tensors = tensors if stage is None else stage(tensors)
             collected.rank = RankRecord(rng=rng.capture(device.device_type), loader=encoded_loader)
-            collected.manifest = Manifest(
-                step=step,
-                world_size=group.world_size,
-                strategy=core.strategy,
-                state_dict_type=sd_state.type,
-                optimizers=tuple(records),
-                scheduler=encoded_scheduler,
-                grad_scaler=scaler,
-                extras=extras,
-                fprep_version=_fprep_version(),
-                torch_version=str(torch.__version__),
-            )
-            if group.rank == 0:
-                root.check_root()
-                lock = root.lock()  # held until this save has published and rotated
-                root.clean_stale()  # the lock proves that no one writes them any more
-                tmp = root.new_staging(step)
+        except Exception as e:
+            error = e if isinstance(e, PrepError) else _failed("collecting state", root, e)
+        try:  # every rank of a pipeline: the stages' optimizer records, merged (a collective)
+            records = pipeline.whole_records(state, None if error is not None else records)
+        except CheckpointError as e:
+            error = error or e
+        try:
+            if error is None:
+                collected.manifest = Manifest(
+                    step=step,
+                    world_size=group.world_size,
+                    strategy=core.strategy,
+                    state_dict_type=sd_state.type,
+                    optimizers=tuple(records),
+                    scheduler=encoded_scheduler,
+                    grad_scaler=scaler,
+                    extras=extras,
+                    fprep_version=_fprep_version(),
+                    torch_version=str(torch.__version__),
+                )
+                if group.rank == 0:
+                    root.check_root()
+                    lock = root.lock()  # held until this save has published and rotated
+                    root.clean_stale()  # the lock proves that no one writes them any more
+                    tmp = root.new_staging(step)
         except Exception as e:
             error = e if isinstance(e, PrepError) else _failed("collecting state", root, e)
         try:
