@@ -167,6 +167,14 @@ def pipeline_schedule_class(name: str) -> Any:
     return cls
 
 
+def pipeline_stage_meshes() -> bool:
+    """Whether ``PipelineStage`` takes ``get_mesh=`` (DTensor activations between stages:
+    sequence parallelism under pp), probed on its signature."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
+
+
 # -- DistributedDataParallel --------------------------------------------------------------------
 def ddp_buffer_kwargs(sync_buffers: bool) -> dict[str, bool]:
     """DDP's keyword for "broadcast buffers from rank 0 before each forward"."""

@@ -71,6 +71,8 @@ def _cases_4(weights: dict[str, str]) -> list[W.Case]:
             None,
         ),
         ("hf_qwen2_pp2_tp2_weights", "hf_qwen2", {"pp": 2, "tp": 2}, weights["hf_qwen2"]),
+        # the sequence-sharded stream crosses the stage boundary as a DTensor
+        ("llama_pp2_tp2_sequence", "llama", {"pp": 2, "tp": 2, "sequence_parallel": True}, None),
     ]
 
 

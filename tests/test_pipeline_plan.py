@@ -354,3 +354,17 @@ def test_each_ranks_part_is_what_fully_shard_builds(
             gaps = {n for n, m in stage.named_modules() if isinstance(m, StageGap)}
             assert gaps == set(plan.gaps(index))
     assert not any(isinstance(m, StageGap) for m in model.modules())  # the model is untouched
+
+
+def test_sequence_parallelism_is_planned_per_stage() -> None:
+    """The embedding shards the stream on the first stage, the head reads it back on the last;
+    the stages between pass it on sharded."""
+    first = planned(tiny(4), 4, 0, pp=2, tp=2, sequence_parallel=True).tensor_parallel
+    last = planned(tiny(4), 4, 2, pp=2, tp=2, sequence_parallel=True).tensor_parallel
+    assert first is not None and last is not None
+    first_styles, last_styles = dict(first.modules), dict(last.modules)
+    assert first_styles["tok_embeddings"] == "embedding_rowwise_sequence"
+    assert "output" not in first_styles and "tok_embeddings" not in last_styles
+    assert (
+        last_styles["output"].endswith("_sequence") and last_styles["norm"] == "sequence_parallel"
+    )

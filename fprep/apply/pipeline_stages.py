@@ -31,8 +31,8 @@ from torch import nn
 
 from fprep.apply.precision import autocast_of, install_autocast
 from fprep.apply.steps import handles_of, skipped, step, with_handles
-from fprep.compat import pipeline_schedule_class
-from fprep.errors import PlanOrderError, PrepareError
+from fprep.compat import pipeline_schedule_class, pipeline_stage_meshes
+from fprep.errors import ConfigError, PlanOrderError, PrepareError
 from fprep.snapshot import is_within, join_fqn
 from fprep.state import PipelineState, PrepState
 
@@ -95,9 +95,19 @@ class NotCallable:
 
 
 def check_pipeline_available(state: PrepState) -> None:
-    """Before any effect: a ``ConfigError`` when this torch lacks the planned schedule."""
-    if state.pipeline is not None:
-        pipeline_schedule_class(state.pipeline.schedule)
+    """Before any effect: a ``ConfigError`` when this torch lacks the planned schedule, or
+    cannot pass sequence-sharded DTensors between stages."""
+    if state.pipeline is None:
+        return
+    pipeline_schedule_class(state.pipeline.schedule)
+    if state.config.sequence_parallel and not pipeline_stage_meshes():
+        raise ConfigError(
+            f"sequence_parallel=True with pp={state.config.pp}: the stages pass the "
+            "sequence-sharded stream as DTensors, which this torch's PipelineStage cannot "
+            "(it has no get_mesh=).",
+            subject="sequence_parallel",
+            hint="Use a newer torch (2.13 has it), or sequence_parallel=False.",
+        )
 
 
 def pipeline_plan(state: PrepState, caller: str) -> PipelineState:
@@ -121,6 +131,14 @@ def split_stages(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modu
     rank_model = carve(model, plan.gaps())
     parts = tuple(carve(model, plan.gaps(stage)) for stage in plan.stages)
     return with_handles(state, stage_modules=parts), rank_model
+
+
+def _mesh_lookup(world_mesh: Any) -> Any:
+    def get_mesh(names: tuple[str, ...], layout: Any) -> Any:
+        del layout  # one mesh per set of names in fprep's N-D mesh
+        return world_mesh[names[0] if len(names) == 1 else tuple(names)]
+
+    return get_mesh
 
 
 class StageForward:
@@ -170,11 +188,18 @@ def stages(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
         )
     autocast = autocast_of(model)
     group = handles.pp_mesh.get_group()
+    # DTensor activations (the sequence-sharded stream) cross stages on the meshes of the one
+    # N-D mesh: torch looks them up by their dimension names
+    extra: dict[str, Any] = {}
+    if pipeline_stage_meshes() and handles.world_mesh is not None:
+        extra["get_mesh"] = _mesh_lookup(handles.world_mesh)
     built = []
     for index, part in zip(plan.stages, parts, strict=True):
         part.__dict__["forward"] = StageForward(part)
         if autocast is not None:
             install_autocast(part, autocast.device_type, autocast.dtype)
-        built.append(PipelineStage(part, index, plan.num_stages, handles.device, group=group))
+        built.append(
+            PipelineStage(part, index, plan.num_stages, handles.device, group=group, **extra)
+        )
     model.__dict__["forward"] = NotCallable()
     return with_handles(state, pipeline_stages=tuple(built), schedules={}), model

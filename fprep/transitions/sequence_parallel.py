@@ -42,9 +42,18 @@ def _on_stream(info: ModuleInfo) -> bool:
 
 
 def plan_sequence_parallel(
-    tree: ModuleTree, modules: tuple[tuple[str, str], ...]
+    tree: ModuleTree,
+    modules: tuple[tuple[str, str], ...],
+    *,
+    enters: bool = True,
+    leaves: bool = True,
 ) -> tuple[tuple[str, str], ...]:
-    """``modules`` (FQN, style) rewritten into the sequence-parallel layout, in pre-order."""
+    """``modules`` (FQN, style) rewritten into the sequence-parallel layout, in pre-order.
+
+    Under pipeline parallelism ``tree`` is one rank's part: the stream enters it sharded from
+    the previous stage unless it holds the first stage (``enters``: the embedding shards it),
+    and leaves it sharded for the next unless it holds the last (``leaves``: the head reads it).
+    """
     styles = dict(modules)
     regions = sorted({parent_fqn(f) for f, s in modules if s == "colwise"})
     if not regions:
@@ -85,18 +94,22 @@ def plan_sequence_parallel(
         out[region] = "sequence_gather"
     planned = [f for f in out if STYLES[out[f]].kind != "replicate"]
     for info in tree.modules[1:]:
+        if info.is_stage_gap:
+            continue  # another pipeline stage's module
         if info.fqn in out or any(is_within(info.fqn, p) for p in planned):
             continue
         if _on_stream(info):
             out[info.fqn] = "sequence_parallel"
         elif info.is_a("Embedding"):
             out[info.fqn] = "sequence_scatter"  # kept whole; its output enters the stream
-    if not any(s in ("embedding_rowwise_sequence", "sequence_scatter") for s in out.values()):
+    if enters and not any(
+        s in ("embedding_rowwise_sequence", "sequence_scatter") for s in out.values()
+    ):
         raise _refuse(
             f"{tree.root.class_name} has no nn.Embedding where the sequence could be sharded.",
             "Sequence parallelism needs the token embedding inside the model.",
         )
-    if not any(STYLES[s].sequence and STYLES[s].kind == "colwise" for s in out.values()):
+    if leaves and not any(STYLES[s].sequence and STYLES[s].kind == "colwise" for s in out.values()):
         raise _refuse(
             "nothing reads the sequence-sharded stream back: the plan has no output head.",
             "Plan the head: tp_plan={'lm_head': 'colwise_gather_output', ...}.",

@@ -212,7 +212,13 @@ def plan_tensor_parallel(
     if adapters is not None:  # peft: the styles of wrapped layers go to their parts
         modules = adapters.tensor_parallel(tree, modules, sequence=cfg.sequence_parallel)
     if cfg.sequence_parallel:
-        modules = plan_sequence_parallel(tree, modules)
+        pipe = state.pipeline
+        modules = plan_sequence_parallel(
+            tree,
+            modules,
+            enters=pipe is None or pipe.holds_first,
+            leaves=pipe is None or pipe.holds_last,
+        )
     styles = {name for _, name in modules}
     if styles & {"colwise", "colwise_rep", "colwise_gather_output"}:
         for field, count in tree.head_counts:
