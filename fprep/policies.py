@@ -22,7 +22,8 @@ def repeated_block_classes(tree: ModuleTree) -> tuple[str, ...]:
         if m.cls in _CONTAINERS:
             for child in m.children:
                 info = tree.module(child)
-                if info is not None and info.cls not in _CONTAINERS:
+                # (another pipeline stage's pass-throughs are no blocks of this rank's part)
+                if info is not None and info.cls not in _CONTAINERS and not info.is_stage_gap:
                     counts[info.cls] += 1
     return tuple(cls for cls, n in counts.items() if n >= 2)
 

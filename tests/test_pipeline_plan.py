@@ -368,3 +368,8 @@ def test_sequence_parallelism_is_planned_per_stage() -> None:
     assert (
         last_styles["output"].endswith("_sequence") and last_styles["norm"] == "sequence_parallel"
     )
+
+
+def test_a_wrap_policy_matching_nothing_names_the_blocks_not_the_pass_throughs() -> None:
+    error = refused(tiny(6), pp=2, wrap=("Block",))
+    assert error.subject == "wrap" and "LlamaBlock" in error.hint and "StageGap" not in error.hint
