@@ -35,7 +35,9 @@ Each round runs one step of every variant in a random order (the same on every r
 at a barrier before each step); figures are medians over rounds, the spread in brackets the
 min-max of the same ratio over 5 chunks of rounds. ``torch again`` is a second hand-written copy
 measured like the others: its ratio to ``torch`` is the noise floor. Target: fprep / torch <=
-1.02. Two lines break it down: the clipping alone, fprep's and by hand, on fprep's gradients.
+1.02. Beside it: the clipping alone, fprep's and by hand, on fprep's gradients; and the Python
+calls per step of each rank (cProfile), a count the machine's load cannot move, to tell work
+fprep adds from noise.
 
 Prepare peak memory: every variant prepares in fresh processes (4 ranks spawned per variant
 and round, variants alternating), after the process group exists, the model is built and a
@@ -60,7 +62,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _timing import Loop, interleaved, ratio
+from _timing import Loop, interleaved, python_calls, ratio
 from prepare_memory import _reset_peak, _status_kb
 from torch import nn
 
@@ -291,7 +293,9 @@ def _parts(rounds: int, schedule: str, config: LlamaConfig) -> dict[str, list[fl
     return interleaved(loops, rounds, warmup=2)
 
 
-def step_times(schedule: str, rounds: int, warmup: int, config: LlamaConfig) -> dict[str, Any]:
+def step_times(
+    schedule: str, rounds: int, warmup: int, config: LlamaConfig, profiled: int
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     where = layout(schedule, config)
@@ -302,7 +306,12 @@ def step_times(schedule: str, rounds: int, warmup: int, config: LlamaConfig) -> 
             loop()
     _check_same({name: record for name, (_, record) in built.items()})
     times = interleaved(loops, rounds, max(0, warmup - CHECKED))
-    return {"times": {**times, **_parts(rounds, schedule, config)}, "records": built["fprep"][1]}
+    calls = {name: python_calls(loops[name], profiled, 2) for name in ("fprep", "torch")}
+    return {
+        "times": {**times, **_parts(rounds, schedule, config)},
+        "records": built["fprep"][1],
+        "calls": calls,
+    }
 
 
 # -- prepare peak memory ----------------------------------------------------------------------
@@ -355,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rounds = args.rounds or (3 if args.quick else 100)
     memory_rounds = args.memory_rounds or (1 if args.quick else 3)
     warmup = CHECKED if args.quick else 5
+    profiled = 1 if args.quick else 4  # steps per count of Python calls
     schedule = args.schedule
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     params = sum(p.numel() for p in llama(config, "meta").parameters())
@@ -366,7 +376,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         flush=True,
     )
     start = time.perf_counter()
-    outs = run_ranks(step_times, WORLD, schedule, rounds, warmup, config, timeout_s=3600.0)
+    outs = run_ranks(
+        step_times, WORLD, schedule, rounds, warmup, config, profiled, timeout_s=3600.0
+    )
     times = outs[0]["times"]
     last = next(o["records"] for o in outs if not math.isnan(o["records"][0][0]))
     print(
@@ -390,6 +402,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     for name in ("clip fprep", "clip by hand"):
         print(f"   {name:<12} {statistics.median(times[name]) * 1e3:7.2f} ms (alone)")
+    for rank, out in enumerate(outs):
+        f, t = out["calls"]["fprep"], out["calls"]["torch"]
+        print(
+            f"   Python calls per step, rank {rank}: fprep {f:.0f}, torch {t:.0f} "
+            f"({f / t:.3f}x; cProfile, the fewest of 2 counts of {profiled} steps)"
+        )
     sys.stdout.flush()
     peaks: dict[str, list[float]] = {"torch": [], "fprep": []}
     absolute: dict[str, list[float]] = {"torch": [], "fprep": []}
