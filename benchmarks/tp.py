@@ -121,14 +121,16 @@ def prepared(variant: str, model: Llama) -> tuple[nn.Module, Any]:
 # -- step time --------------------------------------------------------------------------------
 def clip_by_hand(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Hand-written clipping of FSDP2 x TP gradients: one DTensor norm per distinct mesh."""
-    grads: list[Any] = [p.grad for p in model.parameters() if p.grad is not None]
+    params: list[Any] = [p for p in model.parameters() if p.grad is not None]
     by_mesh: dict[Any, list[Any]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh, []).append(g)
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
     norms = [nn.utils.get_total_norm(group) for group in by_mesh.values()]
     norms = [n.full_tensor() for n in norms]  # type: ignore[attr-defined]
     total = torch.stack(norms).pow(2).sum().sqrt()
-    nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    # clip_grads_with_norm_ takes the parameters and scales their .grad (given the gradients,
+    # it would find no .grad on them and scale nothing)
+    nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 

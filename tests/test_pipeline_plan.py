@@ -373,3 +373,13 @@ def test_sequence_parallelism_is_planned_per_stage() -> None:
 def test_a_wrap_policy_matching_nothing_names_the_blocks_not_the_pass_throughs() -> None:
     error = refused(tiny(6), pp=2, wrap=("Block",))
     assert error.subject == "wrap" and "LlamaBlock" in error.hint and "StageGap" not in error.hint
+
+
+def test_units_prefetch_only_within_their_stage() -> None:
+    state = planned(tiny(6), 4, 0, pp=2, pp_schedule="Interleaved1F1B", wrap=("LlamaBlock",))
+    plan, prefetch = state.pipeline, state.prefetching
+    assert plan is not None and prefetch is not None and plan.stages == (0, 2)
+    stage_of = {m: i for i, names in enumerate(plan.split) for m in names}
+    assert prefetch.backward  # layers.2 -> layers.1 ... within each stage
+    for fqn, targets in (*prefetch.forward, *prefetch.backward):
+        assert all(stage_of[t] == stage_of[fqn] for t in targets), (fqn, targets)
