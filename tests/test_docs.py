@@ -7,7 +7,10 @@ and declares now, and links between pages lead somewhere."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,37 +136,35 @@ def _script(page: str, containing: str | None = None) -> str:
     return "\n".join(blocks[start:end])
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_finetune_page_runs_under_torchrun(tmp_path: Path) -> None:
-    """finetune.md says its script runs under torchrun as it is, given a directory every rank
-    sees: at 2 ranks each rank trains on half the batches, saves, resumes and writes the model
-    back for from_pretrained (in one process the test above runs it)."""
-    import os
-    import subprocess
-    import sys
+def _torchrun(script: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run under ``torchrun --standalone --nproc-per-node 2``; it must succeed."""
 
-    script = tmp_path / "finetune.py"
-    script.write_text(_script("finetune.md"))
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(DOCS.parent),
-        "FINETUNE_DIR": str(shared),
-        "OMP_NUM_THREADS": "1",
-    }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     proc = subprocess.run(
         [*command, "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path,
-        env=env,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(DOCS.parent), "OMP_NUM_THREADS": "1", **env},
         capture_output=True,
         text=True,
         timeout=280,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_finetune_page_runs_under_torchrun(tmp_path: Path) -> None:
+    """finetune.md says its script runs under torchrun as it is, given a directory every rank
+    sees: at 2 ranks each rank trains on half the batches, saves, resumes and writes the model
+    back for from_pretrained (in one process the test above runs it)."""
+
+    script = tmp_path / "finetune.py"
+    script.write_text(_script("finetune.md"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    proc = _torchrun(script, tmp_path, FINETUNE_DIR=str(shared))
     assert "rank 0 of 2" in proc.stdout and "step 4: loss" in proc.stdout
     assert "step 5:" not in proc.stdout  # half of the 8 batches per rank
     assert (shared / "finetuned" / "model.safetensors").is_file()
@@ -174,24 +175,10 @@ def test_finetune_page_runs_under_torchrun(tmp_path: Path) -> None:
 def test_pipeline_script_runs_under_torchrun(tmp_path: Path) -> None:
     """parallelism.md's pipeline loop at pp 2: the last stage's rank prints the losses, the
     first stage's rank prints nothing (in one process the test above runs it without pp)."""
-    import os
-    import subprocess
-    import sys
 
     script = tmp_path / "pipeline.py"
     script.write_text(_script("parallelism.md", "fprep.pipeline_step"))
-    env = {**os.environ, "PYTHONPATH": str(DOCS.parent), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.run(
-        [*command, "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _torchrun(script, tmp_path)
     assert "rank 1 of 2: step 5: loss" in proc.stdout
     assert "rank 0 of 2" not in proc.stdout
 
