@@ -2,9 +2,10 @@
 
 The schedule (``PrepConfig.pp_schedule``) cuts the batch into ``pp_microbatches`` micro-batches,
 runs each stage's forward and backward on them in its order, and leaves every stage's gradients
-those of the whole batch's mean loss: torch's schedules divide each stage's gradients by the
-number of micro-batches, so a loss that is a mean over its micro-batch gives the gradient of the
-mean over the batch (micro-batches of equal size: the batch must divide). The optimizer step,
+those of the whole batch's mean loss: each micro-batch's loss (a mean over its rows) is divided
+by the number of micro-batches before its backward, so their gradients add up to the gradient of
+the mean over the batch (micro-batches of equal size: the batch must divide). Gradients add to
+what earlier steps left, as a plain ``backward`` does (``fprep.accumulate``). The optimizer step,
 clipping (``fprep.clip_grad_norm``: one norm over every stage) and checkpoints are the usual
 calls.
 
@@ -53,9 +54,25 @@ def _schedule(state: PrepState, loss_fn: LossFn) -> Any:
     cls = pipeline_schedule_class(plan.schedule)
     stages = handles.pipeline_stages
     chosen = stages[0] if len(stages) == 1 and plan.schedule in ("GPipe", "1F1B") else list(stages)
-    schedule = cls(chosen, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=True)
+    # The micro-batch losses are divided here, not the gradients after the step (torch's
+    # scale_grads=True): that division would also shrink gradients accumulated by earlier
+    # steps (fprep.accumulate), silently.
+    scaled = _PerMicrobatch(loss_fn, plan.microbatches)
+    schedule = cls(chosen, n_microbatches=plan.microbatches, loss_fn=scaled, scale_grads=False)
     cache[id(loss_fn)] = (loss_fn, schedule)
     return schedule
+
+
+class _PerMicrobatch:
+    """``loss_fn`` divided by the micro-batch count: the micro-batches' gradients then add up
+    to the gradient of the batch's mean loss."""
+
+    def __init__(self, loss_fn: LossFn, microbatches: int) -> None:
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) / self.microbatches
 
 
 def _batch_rows(value: Any, name: str) -> tuple[int, ...]:
@@ -136,7 +153,8 @@ def pipeline_step(
         schedule.step(*args, **kwargs)
     if not plan.holds_last:
         return None
-    return torch.stack([loss.detach() for loss in losses]).mean()
+    # each entry is a micro-batch's loss divided by their number: their sum is the mean
+    return torch.stack([loss.detach() for loss in losses]).sum()
 
 
 def _plain_step(

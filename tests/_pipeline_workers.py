@@ -126,7 +126,17 @@ def train(case: Case) -> dict[str, Any]:
     for x, y in batches():
         rows = BATCH // shares
         xs, ys = x[share * rows : (share + 1) * rows], y[share * rows : (share + 1) * rows]
-        loss = fprep.pipeline_step(state, prepared, xs, ys, lm_loss)
+        if name.endswith("accumulate"):  # two half batches, gradients accumulated
+            half = len(xs) // 2
+            losses = []
+            for k, sync in ((0, False), (1, True)):
+                part = slice(k * half, (k + 1) * half)
+                with fprep.accumulate(state, prepared, sync=sync):
+                    step_loss = fprep.pipeline_step(state, prepared, xs[part], ys[part], _halved)
+                losses.append(step_loss)
+            loss = None if losses[0] is None else sum(losses)  # type: ignore[arg-type]
+        else:
+            loss = fprep.pipeline_step(state, prepared, xs, ys, lm_loss)
         grads = {n: _full(p.grad) for n, p in prepared.named_parameters() if p.grad is not None}
         norm = fprep.clip_grad_norm(state, prepared, MAX_NORM)
         opt.step()
@@ -144,6 +154,11 @@ def train(case: Case) -> dict[str, Any]:
         "params": {n: _full(p) for n, p in prepared.named_parameters()},
         "calling": _call_refused(prepared),
     }
+
+
+def _halved(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of one of two accumulated half batches."""
+    return lm_loss(logits, targets) / 2
 
 
 def _call_refused(model: nn.Module) -> str:

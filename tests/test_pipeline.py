@@ -64,6 +64,8 @@ def _cases_2(weights: dict[str, str]) -> list[W.Case]:
 
 def _cases_4(weights: dict[str, str]) -> list[W.Case]:
     return [
+        # gradient accumulation over two half batches beside FSDP2 (pp 2 x dp 2)
+        ("llama_pp2_dp2_accumulate", "llama", {"pp": 2, "wrap": ("LlamaBlock",)}, None),
         (
             "llama_pp2_dp2_interleaved",
             "llama",
