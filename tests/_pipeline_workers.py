@@ -121,6 +121,7 @@ def train(case: Case) -> dict[str, Any]:
     else:
         state, prepared = fprep.prepare(model, cfg)
         opt = torch.optim.SGD(prepared.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # the lr stays LR
     share, shares = fprep.process_index(state), fprep.num_processes(state)
     steps = []
     for x, y in batches():
@@ -139,11 +140,12 @@ def train(case: Case) -> dict[str, Any]:
             loss = fprep.pipeline_step(state, prepared, xs, ys, lm_loss)
         grads = {n: _full(p.grad) for n, p in prepared.named_parameters() if p.grad is not None}
         norm = fprep.clip_grad_norm(state, prepared, MAX_NORM)
-        opt.step()
+        assert fprep.optimizer_step(state, opt, scheduler)  # fprep's step, scheduler and all
         opt.zero_grad()
         steps.append(
             {"loss": None if loss is None else loss.item(), "norm": norm.item(), "grads": grads}
         )
+    assert scheduler.last_epoch == STEPS  # stepped once per real optimizer step
     plan = state.pipeline
     assert plan is not None
     return {
