@@ -47,3 +47,31 @@ def test_a_mesh_slice_plans_nothing_beyond_data_parallelism(
 @given(fst.prep_states(inputs=fst.plan_inputs(trees=SMALL)))
 def test_plan_order(complete: PrepState) -> None:
     check_plan_order("init_extension", complete)
+
+
+def test_a_style_of_the_models_own_plan_fprep_does_not_apply_is_a_config_error() -> None:
+    """Qwen3's plan replicates its q / k norms with a gradient all-reduce
+    (transformers' 'replicated_with_grad_allreduce'); fprep raised a bare KeyError."""
+    import torch
+    import transformers as tf
+    from returns.result import Failure
+
+    import fprep
+
+    with torch.device("meta"):
+        model = tf.Qwen3ForCausalLM(
+            tf.Qwen3Config(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=128,
+            )
+        )
+    cfg = fprep.PrepConfig(tp=2, strategy="fsdp")
+    result = fprep.plan(model, cfg, fprep.Topology(world_size=4, rank=0))
+    assert isinstance(result, Failure)
+    error = result.failure()
+    assert isinstance(error, fprep.ConfigError) and error.subject == "tp_plan"
+    assert "'replicated_with_grad_allreduce'" in error.message and "q_norm" in error.message

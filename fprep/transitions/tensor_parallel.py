@@ -16,7 +16,7 @@ from fprep.adapters import AdapterLayout
 from fprep.errors import ConfigError, ModelError
 from fprep.snapshot import ModuleTree, is_within, join_fqn
 from fprep.state import Fp8Plan, IgnoredState, PrepState, ProcessGroupState, TensorParallelState
-from fprep.tp_styles import SHARDABLE, STYLES, Style, pattern_regex, tp_dim
+from fprep.tp_styles import REFUSED, SHARDABLE, STYLES, Style, pattern_regex, tp_dim
 from fprep.transitions.fp8 import FP8_DIM_MULTIPLE
 from fprep.transitions.sequence_parallel import plan_sequence_parallel
 
@@ -95,6 +95,22 @@ def _check_kind(tree: ModuleTree, fqn: str, style: Style) -> bool:
             hint="Use 'colwise' or 'rowwise' for Linear layers.",
         )
     return is_embedding
+
+
+def _check_known_styles(tree: ModuleTree, modules: tuple[tuple[str, str], ...]) -> None:
+    """A style fprep does not apply, from the model's own plan (a user's ``tp_plan`` is checked
+    when the config is built): a ConfigError naming the module, the style and why."""
+    for fqn, name in modules:
+        if name in STYLES:
+            continue
+        why = REFUSED.get(name, "a style fprep does not know")
+        raise ConfigError(
+            f"{tree.root.class_name}'s own tensor-parallel plan gives {fqn!r} the style "
+            f"{name!r}, which fprep does not apply yet ({why}).",
+            subject="tp_plan",
+            hint="Pass tp_plan= yourself, without these modules or with a style fprep applies "
+            "(docs/parallelism.md), or use tp=1 (fsdp shards this model without tp).",
+        )
 
 
 def _params(
@@ -208,6 +224,7 @@ def plan_tensor_parallel(
     _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
     modules = match_modules(tree, pairs, whole=state.pipeline.whole if state.pipeline else None)
+    _check_known_styles(tree, modules)
     adapters = AdapterLayout.of(tree)
     if adapters is not None:  # peft: the styles of wrapped layers go to their parts
         modules = adapters.tensor_parallel(tree, modules, sequence=cfg.sequence_parallel)
