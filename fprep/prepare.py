@@ -265,10 +265,7 @@ def prepare(
 def _other_stages(state: PrepState) -> frozenset[str]:
     """Under pp, the parameter names other pipeline ranks hold."""
     plan = state.pipeline
-    if plan is None or plan.whole is None:
-        return frozenset()
-    mine = {n for p in state.tree.params for n in p.names}
-    return frozenset(n for p in plan.whole.params for n in p.names if n not in mine)
+    return frozenset() if plan is None else frozenset(plan.elsewhere(state.tree))
 
 
 def _prepare_loaders(

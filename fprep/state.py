@@ -191,6 +191,15 @@ class PipelineState:
         """The split's modules this rank holds, in stage order."""
         return tuple(name for index in self.stages for name in self.split[index])
 
+    def elsewhere(self, part: ModuleTree) -> dict[str, tuple[int, ...]]:
+        """The whole model's parameter and persistent-buffer names that other stages hold
+        (not in ``part``, this rank's part of the model), with their shapes."""
+        whole = self.whole if self.whole is not None else part
+        mine = {n for p in part.params for n in p.names} | {b.fqn for b in part.buffers}
+        out = {n: p.shape for p in whole.params for n in p.names if n not in mine}
+        out.update({b.fqn: b.shape for b in whole.buffers if b.persistent and b.fqn not in mine})
+        return out
+
     def gaps(self, stage: int | None = None) -> tuple[str, ...]:
         """The split's modules a pass-through stands in for: on stage ``stage``'s module, or
         on this rank's part when ``stage`` is None."""

@@ -185,14 +185,7 @@ def elsewhere(state: PrepState) -> dict[str, tuple[int, ...]]:
     """The parameter and persistent-buffer FQNs of the whole model that other stages hold
     (their ranks load them), with their shapes; empty without pipeline parallelism."""
     plan = plan_of(state)
-    if plan is None or plan.whole is None:
-        return {}
-    tree = state.tree
-    mine = {n for p in tree.params for n in p.names} | {b.fqn for b in tree.buffers}
-    whole = plan.whole
-    out = {n: p.shape for p in whole.params for n in p.names if n not in mine}
-    out.update({b.fqn: b.shape for b in whole.buffers if b.persistent and b.fqn not in mine})
-    return out
+    return {} if plan is None else plan.elsewhere(state.tree)
 
 
 def restrict(skeleton: Any, others: Mapping[str, object]) -> Any:

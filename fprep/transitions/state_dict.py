@@ -52,12 +52,7 @@ def _other_stages(state: PrepState) -> frozenset[str]:
     """Under pipeline parallelism: the names of the tensors other stages hold (their ranks
     read them; this one leaves them in the files)."""
     plan = state.pipeline
-    if plan is None or plan.whole is None:
-        return frozenset()
-    mine = {n for p in state.tree.params for n in p.names} | {b.fqn for b in state.tree.buffers}
-    whole = plan.whole
-    every = {n for p in whole.params for n in p.names} | {b.fqn for b in whole.buffers}
-    return frozenset(every - mine)
+    return frozenset() if plan is None else frozenset(plan.elsewhere(state.tree))
 
 
 @transition
