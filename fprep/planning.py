@@ -44,7 +44,6 @@ DEFAULT_TRANSITIONS: tuple[Transition, ...] = (
     init_extension,
     init_state_dict,
     init_param_handles,
-    init_pipeline,
     init_prefetching,
 )
 
