@@ -53,7 +53,10 @@ BEHAVIOURS: frozenset[Kind] = frozenset(
 )
 #: behaviours under which a module's forward sees its parameters' local shards, so a parameter
 #: a rule of its own shards can live there
-RUNS_LOCAL: frozenset[Kind] = frozenset({"packed_colwise", "local", "moe_experts", "grad_sum"})
+#: (``all_reduce``: a module computing a partial sum from its parameters' shards, then summed)
+RUNS_LOCAL: frozenset[Kind] = frozenset(
+    {"packed_colwise", "local", "moe_experts", "grad_sum", "all_reduce"}
+)
 
 
 @dataclass(frozen=True, kw_only=True)
