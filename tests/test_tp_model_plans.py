@@ -202,3 +202,31 @@ def test_tied_qwen2_plans_its_vocabulary_once(tied: bool) -> None:
     assert placed["model.embed_tokens.weight"] == Shard(0)
     assert ("lm_head.weight" in placed) is not tied
     assert Replicate() not in {placed["model.embed_tokens.weight"]}
+
+
+def test_weights_with_a_packed_parameter_under_tp_is_refused_by_name(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    class Packed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up = nn.Linear(8, 16)
+            self.down = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(torch.nn.functional.silu(gate) * up)
+
+    model = Packed()
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "w.safetensors"
+    )
+    cfg = PrepConfig(
+        strategy="fsdp",
+        tp=2,
+        tp_plan={"gate_up": "packed_colwise", "down": "rowwise"},
+        weights=tmp_path / "w.safetensors",
+    )
+    failure = fprep.plan(model, cfg, Topology(world_size=2)).failure()
+    assert isinstance(failure, ConfigError) and failure.subject == "weights"
+    assert "'gate_up.weight' is packed" in failure.message
