@@ -84,27 +84,38 @@ def loaded(family: str, directory: Path, **cfg: Any) -> dict[str, torch.Tensor]:
 #: Every layout a spawned job runs, by world size.
 LAYOUTS: dict[int, list[dict[str, Any]]] = {
     2: [dict(strategy="fsdp"), dict(strategy="ddp")],
-    4: [dict(strategy="fsdp"), dict(strategy="hsdp", mesh_shape=(2, 2))],
+    4: [dict(strategy="fsdp"), dict(strategy="hsdp", hsdp_shard_size=2)],
 }
+FUSED = "model.layers.1.mlp.experts.gate_up_proj"
 
 
 def rank_load(dirs: dict[str, str]) -> dict[str, Any]:
     """Each family at each layout of this world: the names whose full tensor differs from
-    what transformers loads (reference read on this rank, single process)."""
+    what transformers loads (read on this rank, in one process); and what Qwen3-MoE's fused
+    ``gate_up_proj`` of layer 1 reads under fsdp (the file's keys, bytes, and its shape)."""
     world = int(os.environ["WORLD_SIZE"])
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"mismatches": {}}
     for family, directory in dirs.items():
         want = reference(Path(directory))
         for layout in LAYOUTS[world]:
-            got = loaded(family, Path(directory), **layout)
-            out[f"{family} {layout}"] = mismatches(got, want)
+            state, model = fprep.prepare(
+                on_meta(family), fprep.PrepConfig(weights=directory, **layout)
+            )
+            out["mismatches"][f"{family} {layout}"] = mismatches(full_state(model), want)
+            if family == "qwen3_moe" and layout["strategy"] == "fsdp":
+                (read,) = [r for r in state.state_dict.weights.reads if r.name == FUSED]
+                out["keys"] = [s.key for s in read.segments]
+                out["nbytes"] = read.nbytes
+                out["shape"] = tuple(want[FUSED].shape)
     return out
 
 
-def rank_export(family: str, directory: str, out: str) -> dict[str, Any]:
-    """Load ``family`` under fsdp, and write it with ``fprep.save_pretrained`` into ``out``."""
-    state, model = fprep.prepare(
-        on_meta(family), fprep.PrepConfig(strategy="fsdp", weights=directory)
-    )
-    fprep.save_pretrained(out, state, model)
-    return {}
+def rank_export(dirs: dict[str, str], out: str) -> None:
+    """Each family loaded under fsdp, written with ``fprep.save_pretrained`` into
+    ``out/family`` and with ``fprep.export_full`` into ``out/family.safetensors``."""
+    for family, directory in dirs.items():
+        state, model = fprep.prepare(
+            on_meta(family), fprep.PrepConfig(strategy="fsdp", weights=directory)
+        )
+        fprep.save_pretrained(Path(out) / family, state, model)
+        fprep.export_full(Path(out) / f"{family}.safetensors", state, model)

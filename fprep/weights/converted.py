@@ -143,9 +143,8 @@ def tree(conv: Conversion, shape: tuple[int, ...], tensors: dict[str, WeightsTen
             conv,
             f"fprep reads only {' and '.join(sorted(SUPPORTED))} (stacking experts, joining "
             f"sources along one dim), not {', '.join(unsupported) or 'this combination'}.",
-            "Load this model with transformers' from_pretrained and prepare it without "
-            "weights=, or convert the checkpoint to the model's own names first (fprep."
-            "export_full of a model loaded by from_pretrained).",
+            "Load this model with transformers' from_pretrained and pass it to fprep.prepare "
+            "without weights= (each rank then reads the whole checkpoint).",
         )
     group = list(shape)  # the shape of each source's part of the parameter
     if concat:
