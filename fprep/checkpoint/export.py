@@ -2,7 +2,10 @@
 
 The file holds every parameter and persistent buffer under its original FQN (tied parameters
 under each of their names), buffers in their original dtype (``state.buffers``), and loads with
-plain ``safetensors.torch.load_file`` — no fprep needed.
+plain ``safetensors.torch.load_file`` — no fprep needed. A transformers model whose checkpoints
+hold its tensors otherwise (a mixture-of-experts model's fused experts, one tensor per expert
+on the hub) is written in the checkpoints' layout, as its ``save_pretrained`` writes it
+(``_layouts``), so ``from_pretrained`` reads the file back.
 
 Memory stays bounded by one full tensor beyond this rank's shards: the header is computed from
 shapes and dtypes alone (global shapes are known without gathering), written first, then each
@@ -265,7 +268,8 @@ def _layouts(
                 f"{', '.join(repr(s.pattern) for s in conversion.sources)}, in an order fprep "
                 "cannot write as the parameter's bytes stream in.",
                 subject=e.name,
-                hint="Save the model with transformers' save_pretrained from one process.",
+                hint="Call fprep.unwrap(state, model) on every rank (the full model) and save "
+                "it with transformers' save_pretrained on rank 0.",
             )
         out.append([(k, e.dtype, names[k]) for k in order])
     return out

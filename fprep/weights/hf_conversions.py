@@ -180,7 +180,7 @@ def checkpoint_names(
             f"transformers could not map this {family(model)} model's tensors back to its "
             f"checkpoint layout: {type(e).__name__}: {e}",
             subject=family(model),
-            hint="Save the model with transformers' own save_pretrained from one process "
-            "(after fprep.export_full and from_pretrained of the model's names, if needed).",
+            hint="Call fprep.unwrap(state, model) on every rank (the full model) and save it "
+            "with transformers' save_pretrained on rank 0.",
         ) from None
     return {k: tuple(v.shape) for k, v in reverted.items()}
