@@ -33,6 +33,7 @@ from fprep.snapshot import ModuleTree
 from fprep.weights.converted import converted_read, tree
 from fprep.weights.records import (
     Conversion,
+    ConvertedRead,
     TensorRead,
     WeightsPlan,
     WeightsSnapshot,
@@ -208,7 +209,23 @@ def plan_weights(
         skipped_keys=tuple(t.key for t in unexpected),
         missing_keys=tuple(allowed_missing),
         same_as=tuple(same_as),
-        notes=weights.notes,
+        notes=weights.notes + _conversion_notes(reads, weights),
+    )
+
+
+def _conversion_notes(reads: list[TensorRead], weights: WeightsSnapshot) -> tuple[str, ...]:
+    """A line saying how many parameters are assembled from the file's per-expert tensors."""
+    assembled = [r for r in reads if isinstance(r, ConvertedRead)]
+    if not assembled:
+        return ()
+    by_target = {c.target: c for c in weights.conversions}
+    families = sorted({c.family for c in weights.conversions})
+    tensors = sum(len(s.keys) for c in by_target.values() for s in c.sources)
+    renamed = f", {len(weights.renames)} renamed" if weights.renames else ""
+    return (
+        f"weights: {len(assembled)} parameters assembled from {tensors} tensors of the file "
+        f"({', '.join(families)} checkpoint layout, transformers' conversion{renamed}); this "
+        f"rank reads {sum(r.nbytes for r in assembled)} bytes of them",
     )
 
 
