@@ -174,6 +174,18 @@ def test_an_extra_expert_is_refused_by_name(saved: dict[str, str], tmp_path: Pat
     assert error.subject == key and "5 experts" in str(error)
 
 
+def test_an_expert_held_twice_is_refused_by_name(saved: dict[str, str], tmp_path: Path) -> None:
+    key = "model.layers.1.mlp.experts.03.up_proj.weight"
+
+    def add(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[key] = tensors["model.layers.1.mlp.experts.3.up_proj.weight"].clone()
+
+    error = _refused("qwen3_moe", _rewritten(saved["qwen3_moe"], tmp_path, add))
+    both = {key, "model.layers.1.mlp.experts.3.up_proj.weight"}
+    assert error.subject in both and all(repr(k) in str(error) for k in both)
+    assert "for expert 3" in str(error)
+
+
 def _tensors(keys: list[str], shape: tuple[int, ...]) -> dict[str, WeightsTensor]:
     n = math.prod(shape) * 4
     return {k: WeightsTensor(k, "f", "float32", shape, i * n, n) for i, k in enumerate(keys)}

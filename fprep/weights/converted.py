@@ -190,7 +190,16 @@ def _experts(
 ) -> list[Leaf]:
     """``source``'s tensors for experts ``0 .. count - 1``, in that order."""
     numbers = source.experts or tuple(range(len(source.keys)))
-    by_number = dict(zip(numbers, source.keys, strict=True))
+    by_number: dict[int, str] = {}
+    for number, key in zip(numbers, source.keys, strict=True):
+        if number in by_number:  # "experts.3" and "experts.03"
+            raise CheckpointError(
+                f"{tensors[key].file} holds both {by_number[number]!r} and {key!r} for expert "
+                f"{number} of the model's {conv.target!r}.",
+                subject=key,
+                hint="The checkpoint holds one expert twice: remove one of them.",
+            )
+        by_number[number] = key
     missing = [e for e in range(count) if e not in by_number]
     if missing:
         name = source.template.format(missing[0]) if source.template else source.pattern
