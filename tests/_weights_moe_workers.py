@@ -119,3 +119,14 @@ def rank_export(dirs: dict[str, str], out: str) -> None:
         )
         fprep.save_pretrained(Path(out) / family, state, model)
         fprep.export_full(Path(out) / f"{family}.safetensors", state, model)
+
+
+def rank_pipeline(directory: str) -> dict[str, Any]:
+    """Qwen3-MoE at pp 2 (one layer per stage): this stage's tensors that differ from what
+    transformers loads, and the names it holds."""
+    want = reference(Path(directory))
+    _, model = fprep.prepare(
+        on_meta("qwen3_moe"), fprep.PrepConfig(weights=directory, pp=2, strategy="fsdp")
+    )
+    got = full_state(model)
+    return {"mismatches": mismatches(got, {k: want[k] for k in got}), "names": sorted(got)}

@@ -95,6 +95,18 @@ def test_ranks_load_what_from_pretrained_loads(world: int, saved: dict[str, str]
         assert out["nbytes"] == rows * math.prod(out["shape"][1:]) * 4
 
 
+def test_pipeline_stages_read_their_own_experts(saved: dict[str, str]) -> None:
+    """At pp 2 each stage reads its layer's experts; the other stage's per-expert tensors are
+    neither read nor unexpected."""
+    from fprep.testing.distributed import run_ranks
+
+    outs = run_ranks(W.rank_pipeline, 2, saved["qwen3_moe"], timeout_s=600)
+    for stage, out in enumerate(outs):
+        assert out["mismatches"] == [], f"stage {stage}"
+        assert f"model.layers.{stage}.mlp.experts.gate_up_proj" in out["names"]
+        assert f"model.layers.{1 - stage}.mlp.experts.gate_up_proj" not in out["names"]
+
+
 def test_save_pretrained_from_four_ranks_reads_back(saved: dict[str, str], tmp_path: Path) -> None:
     from fprep.testing.distributed import run_ranks
 
