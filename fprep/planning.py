@@ -136,8 +136,7 @@ def initial_state(
     weights = None if cfg.weights is None else weights_snapshot(os.fspath(cfg.weights))
     if weights is not None and not isinstance(model_or_tree, ModuleTree):
         # the checkpoint's names as transformers maps them onto this model (its MoE experts)
-        names = [n for p in tree.params for n in p.names] + [b.fqn for b in tree.buffers]
-        weights = with_conversions(weights, model_or_tree, names)
+        weights = with_conversions(weights, model_or_tree, tree)
     return PrepState.initial(
         tree,
         cfg,

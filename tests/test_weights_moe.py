@@ -75,6 +75,22 @@ def test_one_process_loads_what_from_pretrained_loads(family: str, saved: dict[s
         assert "parameters assembled from" in state.summary()
 
 
+def test_a_peft_model_reads_its_base_models_experts(saved: dict[str, str]) -> None:
+    """LoRA on the attention of a Qwen3-MoE model: the base reads its experts as without peft
+    (names as the base model's checkpoint has them), the adapters are left to peft's init."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(W.on_meta("qwen3_moe"), LoraConfig(r=2, target_modules=["q_proj"]))
+    _, model = fprep.prepare(model, fprep.PrepConfig(weights=saved["qwen3_moe"]))
+    base = {
+        k.replace(".base_layer", ""): v
+        for k, v in model.get_base_model().state_dict().items()
+        if "lora_" not in k
+    }
+    want = W.reference(Path(saved["qwen3_moe"]))
+    assert FUSED in base and mismatches(base, want) == []
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_load_what_from_pretrained_loads(world: int, saved: dict[str, str]) -> None:
     from fprep.testing.distributed import run_ranks

@@ -26,7 +26,9 @@ import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from fprep.adapters import AdapterLayout
 from fprep.errors import CheckpointError
+from fprep.snapshot import ModuleTree
 from fprep.weights.records import Conversion, ConvertedSource, WeightsSnapshot
 
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
@@ -139,12 +141,19 @@ def conversions_for(
     return tuple(renames), tuple(conversions)
 
 
-def with_conversions(
-    snapshot: WeightsSnapshot, model: Any, names: Collection[str]
-) -> WeightsSnapshot:
-    """``snapshot`` with transformers' renames and conversions of its keys for ``model`` (a
-    transformers model; anything else: unchanged). Raises ``CheckpointError`` when transformers
-    cannot map them."""
+def with_conversions(snapshot: WeightsSnapshot, model: Any, tree: ModuleTree) -> WeightsSnapshot:
+    """``snapshot`` with transformers' renames and conversions of its keys for ``model`` (whose
+    snapshot is ``tree``): a transformers model, or a peft model over one (its base model's
+    names); anything else: unchanged. Raises ``CheckpointError`` when transformers cannot map
+    them."""
+    names = [n for p in tree.params for n in p.names] + [b.fqn for b in tree.buffers]
+    layout = AdapterLayout.of(tree)
+    if layout is not None:  # a peft model reads its base model's checkpoint
+        try:
+            model = model.get_submodule(layout.prefix.rstrip("."))
+        except AttributeError:
+            return snapshot
+        names = [layout.checkpoint_key(n) for n in names]
     if not is_transformers_model(model):
         return snapshot
     keys = [t.key for t in snapshot.tensors]
