@@ -68,6 +68,15 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
+def _infers_metadata(stage: Any) -> bool:
+    """Whether ``stage`` (a ``PipelineStage``) runs its forward now only to learn its output's
+    shape, as torch does once before the first step (on uninitialized inputs past the first
+    stage): that forward's routing is no data and must not count. Torch 2.13 keeps the shapes
+    in ``_stage_meta`` and sets its ``outputs`` once learned."""
+    meta = getattr(stage, "_stage_meta", None)
+    return meta is not None and getattr(meta, "outputs", False) is None
+
+
 def _split(output: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A router's ``(logits, indices)``: its first tensor and its integer tensor."""
     parts = output if isinstance(output, tuple | list) else (output,)
@@ -113,28 +122,36 @@ class RouterWatch:
         self._counts: dict[str, torch.Tensor] = {}
         self._aux: dict[str, torch.Tensor] = {}
         self._stage_aux: list[torch.Tensor] | None = None
+        self._inferring = False
         #: under pp: the weight each stage's aux loss enters its backward with (None: not at all)
         self.stage_scale: float | None = None
         self._handles = [
             router.register_forward_hook(self._recorder(name))
             for name, router in self.routers.items()
         ]
+        self._stages = {id(stage.submod): stage for stage in handles_of(state).pipeline_stages}
         for part in handles_of(state).stage_modules:
             self._handles.append(part.register_forward_pre_hook(self._stage_starts))
             self._handles.append(part.register_forward_hook(self._stage_ends))
 
     def _recorder(self, name: str) -> Any:
         def record(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():
+            if self._inferring:
                 return
             logits, indices = _split(output, name)
+            if indices.device.type == "meta":
+                return
             n_experts: int = module.num_experts  # type: ignore[assignment]
+            aux = balance_loss(logits, indices, n_experts)
+            if _in_backward():
+                # activation checkpointing's recomputation: the same operations as the forward
+                # (it checks that they save as many tensors), but the tokens count once
+                return
             flat = indices.detach().reshape(-1)
             counts = self._counts.get(name)
             if counts is None:
                 counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
             self._counts[name] = counts.index_add(0, flat, torch.ones_like(flat))
-            aux = balance_loss(logits, indices, n_experts)
             self._aux[name] = aux
             if self._stage_aux is not None:
                 self._stage_aux.append(aux)
@@ -143,9 +160,13 @@ class RouterWatch:
 
     def _stage_starts(self, module: nn.Module, args: Any) -> None:
         self._stage_aux = []
+        self._inferring = _infers_metadata(self._stages.get(id(module)))
 
     def _stage_ends(self, module: nn.Module, args: Any, output: Any) -> Any:
         collected, self._stage_aux = self._stage_aux, None
+        if self._inferring:
+            self._inferring = False
+            return None
         scale = self.stage_scale
         if not scale or not collected or not isinstance(output, torch.Tensor):
             return None
