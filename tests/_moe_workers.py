@@ -28,17 +28,47 @@ from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import fprep
-from fprep.testing.models import lm_loss, moe_tiny, synthetic_batches
+from fprep.testing.models import (
+    FeedForward,
+    LlamaConfig,
+    MoEConfig,
+    MoERouter,
+    lm_loss,
+    moe_tiny,
+    synthetic_batches,
+)
 
 STEPS = 2
 BATCH = 8
 SEQ = 8
 VOCAB = 64
-LR = 1e-2
+LR = 1e-3  # Adam divides by the gradients' size: a larger step magnifies their last bits
 EXPERTS = 4
 REPEATED = 5  # the token of the repeated rows
 
 Case = tuple[str, str, dict[str, Any], str, float | None]
+
+
+class ListedExperts(nn.Module):
+    """A routed feed-forward whose experts are separate modules in a ``ModuleList`` named
+    ``experts`` (transformers 4's layout; transformers 5 fuses them): an expert no token
+    reaches on a rank takes no part in that rank's backward."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.gate = MoERouter(config)
+        shape = LlamaConfig(dim=config.dim, ffn_dim=config.expert_dim, n_heads=1, n_kv_heads=1)
+        self.experts = nn.ModuleList(FeedForward(shape) for _ in range(config.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        _, weights, indices = self.gate(tokens)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            token, slot = torch.where(indices == index)
+            if token.numel():
+                out = out.index_add(0, token, expert(tokens[token]) * weights[token, slot, None])
+        return out.reshape(x.shape)
 
 
 def build(kind: str, data: str = "random", layers: int = 2) -> nn.Module:
@@ -46,10 +76,14 @@ def build(kind: str, data: str = "random", layers: int = 2) -> nn.Module:
     seeded."""
     top_k = 1 if data == "one_expert" else 2
     torch.manual_seed(0)
-    if kind == "moe":
-        return moe_tiny(
+    if kind in ("moe", "listed"):
+        model = moe_tiny(
             n_layers=layers, n_experts=EXPERTS, top_k=top_k, vocab_size=VOCAB, shared_expert=True
         )
+        if kind == "listed":
+            for block in model.layers:
+                block.feed_forward = ListedExperts(model.config)  # type: ignore[assignment]
+        return model
     common: dict[str, Any] = dict(
         hidden_size=32,
         num_hidden_layers=layers,
@@ -134,9 +168,7 @@ def reference(kind: str, data: str, chunks: int, coef: float | None) -> dict[str
             calls.clear()
             loss = lm_loss(logits_of(model, x[part]), y[part])
             losses.append(loss.item())
-            aux = sum(
-                load_balancing_loss_func((logits,), EXPERTS, top_k) for _, logits, _ in calls
-            )
+            aux = sum(load_balancing_loss_func((logits,), EXPERTS, top_k) for _, logits, _ in calls)
             total = total + (loss + (coef or 0.0) * aux) / chunks
             for name, _, indices in calls:
                 counts[name] += np.bincount(indices.flatten().numpy(), minlength=EXPERTS)

@@ -24,6 +24,7 @@ from fprep.testing.models import lm_loss, moe_tiny
 TOL = 1e-5
 AUX = 0.1  # large enough that its gradient stands far above the tolerance
 KINDS = ("moe", "qwen3", "mixtral", "gptoss")
+HSDP = {"hsdp_shard_size": 2}  # 2 x 2 at 4 ranks
 
 
 def _wrap(kind: str) -> dict[str, Any]:
@@ -43,6 +44,8 @@ def _cases_2() -> list[W.Case]:
         ("mixtral_ddp_starved", "mixtral", {"strategy": "ddp"}, "starved", None),
         ("moe_fsdp_one_expert", "moe", {"strategy": "fsdp", **_wrap("moe")}, "one_expert", AUX),
         ("qwen3_ddp_one_expert", "qwen3", {"strategy": "ddp"}, "one_expert", None),
+        # experts as separate modules: DDP must find the unused ones (fprep turns it on)
+        ("listed_ddp_starved", "listed", {"strategy": "ddp"}, "starved", AUX),
     ]
     return cases
 
@@ -53,12 +56,16 @@ def _cases_4() -> list[W.Case]:
         aux = AUX if kind in ("moe", "gptoss") else None
         cases.append((f"{kind}_ddp", kind, {"strategy": "ddp"}, "random", aux))
         cases.append((f"{kind}_fsdp", kind, {"strategy": "fsdp", **_wrap(kind)}, "random", None))
-        hsdp = {"strategy": "hsdp", "hsdp_shard_size": 2, **_wrap(kind)}
+        hsdp = {"strategy": "hsdp", **HSDP, **_wrap(kind)}
         cases.append((f"{kind}_hsdp", kind, hsdp, "random", aux))
     cases += [
         ("moe_pp2_dp2", "moe", {"pp": 2, **_wrap("moe")}, "random", AUX),
         ("qwen3_pp2_dp2", "qwen3", {"pp": 2}, "starved", AUX),
         ("gptoss_fsdp_starved", "gptoss", {"strategy": "fsdp"}, "starved", None),
+        # experts as separate modules: FSDP2 must reduce-scatter the unused ones' zeros
+        ("listed_fsdp_starved", "listed", {"strategy": "fsdp", **_wrap("moe")}, "starved", AUX),
+        ("listed_hsdp_starved", "listed", {"strategy": "hsdp", **HSDP}, "starved", None),
+        ("mixtral_hsdp_one_expert", "mixtral", {"strategy": "hsdp", **HSDP}, "one_expert", None),
     ]
     return cases
 
@@ -152,10 +159,9 @@ def test_experts_without_tokens_on_some_ranks(ranks: tuple[int, list[W.Case], li
 
 
 def test_every_token_to_one_expert(ranks: tuple[int, list[W.Case], list[Any]]) -> None:
-    world, cases, results = ranks
+    _, cases, results = ranks
     skewed = [(i, case[0]) for i, case in enumerate(cases) if case[3] == "one_expert"]
-    if not skewed:
-        pytest.skip(f"no one-expert case at world {world}")
+    assert skewed
     for index, name in skewed:
         for step in results[0][index]["steps"]:
             for counts in step["counts"].values():
@@ -163,7 +169,7 @@ def test_every_token_to_one_expert(ranks: tuple[int, list[W.Case], list[Any]]) -
                 assert counts.sum() == W.BATCH * W.SEQ, name  # top_k = 1
 
 
-# -- the loop-facing API, one process ---------------------------------------------------------------
+# -- the loop-facing API, one process -------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral", "gptoss"])
 def test_aux_loss_is_transformers_own_for_one_layer(kind: str) -> None:
     """For one MoE layer the watch's loss is transformers' ``outputs.aux_loss``; reading it
@@ -265,3 +271,19 @@ def test_moe_8x7b_is_mixtral_shaped() -> None:
     assert tuple(experts.gate_up_proj.shape) == (8, 2 * 14336, 4096)
     assert tuple(experts.down_proj.shape) == (8, 4096, 14336)
 
+
+def _ddp_options(model: torch.nn.Module, **ddp: bool) -> Any:
+    cfg = fprep.PrepConfig(strategy="ddp", ddp=fprep.DDPOptions(**ddp))
+    return fprep.plan(model, cfg, fprep.Topology(world_size=2, rank=0))
+
+
+def test_ddp_finds_unused_experts_only_when_they_are_separate_modules() -> None:
+    """Fused experts always have a gradient (zero rows for an expert without tokens); experts in
+    a module list do not, and the plan turns on DDP's search for unused parameters for them."""
+    fused = dict(_ddp_options(W.build("moe")).unwrap().runtime.ddp_kwargs)
+    listed = dict(_ddp_options(W.build("listed")).unwrap().runtime.ddp_kwargs)
+    assert fused["find_unused_parameters"] is False
+    assert listed["find_unused_parameters"] is True
+    refused = _ddp_options(W.build("listed"), static_graph=True).failure()
+    assert isinstance(refused, fprep.ConfigError) and refused.subject == "ddp.static_graph"
+    assert "layers.0.feed_forward.experts" in str(refused)
