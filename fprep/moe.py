@@ -102,7 +102,8 @@ class _AuxIntoBackward(torch.autograd.Function):
         ctx.scale = scale
         ctx.aux_shape = aux.shape
         ctx.aux_dtype = aux.dtype
-        return output.view_as(output)
+        # a copy, not a view: torch's zero-bubble schedules detach the stage output in place
+        return output.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -233,7 +234,7 @@ def watch_routers(state: PrepState, model: nn.Module) -> RouterWatch:
     if found is not None:
         return found
     watch = RouterWatch(state, model)
-    if not watch.routers:
+    if not watch.routers and not _routes_elsewhere(state):
         watch.close()
         raise ConfigError(
             f"{type(getattr(model, 'module', model)).__qualname__} has no router this watch "
@@ -245,6 +246,15 @@ def watch_routers(state: PrepState, model: nn.Module) -> RouterWatch:
         )
     _KEEP[model] = watch
     return watch
+
+
+def _routes_elsewhere(state: PrepState) -> bool:
+    """Under pp: whether another stage holds a router (a module whose class name ends in
+    ``Router``), so that a rank whose stages hold none keeps an empty watch instead of refusing
+    alone while the other ranks go on."""
+    pipeline = state.pipeline
+    whole = pipeline.whole if pipeline is not None else None
+    return whole is not None and any(m.class_name.endswith("Router") for m in whole.modules)
 
 
 def existing_watch(model: nn.Module) -> RouterWatch | None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fprep
+from fprep.layout.stages import SCHEDULES
 from fprep.testing.distributed import run_ranks
 from fprep.testing.models import lm_loss, moe_tiny
 
@@ -38,7 +39,12 @@ def _cases_2() -> list[W.Case]:
         cases.append((f"{kind}_ddp", kind, {"strategy": "ddp"}, "random", aux))
         cases.append((f"{kind}_fsdp", kind, {"strategy": "fsdp", **_wrap(kind)}, "random", aux))
     cases += [
-        ("moe_pp", "moe", {"pp": 2}, "random", AUX),
+        # the load-balancing loss in each stage's backward under every schedule (the V and
+        # looped ones give a rank stages without a router)
+        *(
+            (f"moe_pp_{name}", "moe", {"pp": 2, "pp_schedule": name}, "random", AUX)
+            for name in SCHEDULES
+        ),
         ("qwen3_pp", "qwen3", {"pp": 2, "pp_schedule": "GPipe"}, "random", AUX),
         ("moe_ddp_starved", "moe", {"strategy": "ddp"}, "starved", None),
         ("mixtral_ddp_starved", "mixtral", {"strategy": "ddp"}, "starved", None),
