@@ -1,12 +1,16 @@
 """Small, dependency-free model builders for tests, benchmarks, the CLI and the demo.
 
-Two families:
+Three families:
 
 * ``Llama``: a Llama-shaped decoder (token embedding, blocks of grouped-query attention with
   RoPE and a SwiGLU feed-forward, RMSNorm, output projection) with the module names torchtitan
   uses (``tok_embeddings``, ``layers.N.attention.wq`` ...). ``llama_405b()`` and ``llama_8b()``
   build the published shapes on the meta device (no memory); ``llama_tiny()`` builds a small one
   on the CPU that really runs.
+* ``MoE``: ``Llama`` with a top-k routed mixture of experts as its feed-forward (a ``gate``
+  router, ``experts`` in two fused 3-D weights as transformers 5 and torchtitan keep them, an
+  optional shared expert), recording each router call's load-balancing loss and token counts.
+  ``moe_tiny()`` runs on a CPU; ``moe_8x7b()`` is Mixtral 8x7B's shape on the meta device.
 * ``GPT``: a tiny GPT-2-like model with tied input/output embeddings
   (``lm_head.weight is wte.weight``), deterministic for a seed and trainable on a CPU in
   milliseconds, plus ``synthetic_batches`` to feed it.
@@ -16,7 +20,7 @@ Every module that registers parameters itself (``nn.Linear``, ``nn.Embedding``, 
 materialized. RoPE angles are computed in ``forward``: there are no buffers to materialize.
 
 The builders with no required arguments (``llama_405b``, ``llama_70b``, ``llama_8b``,
-``llama_tiny``, ``tiny_gpt``) can be named as import strings, e.g.
+``llama_tiny``, ``moe_8x7b``, ``moe_tiny``, ``tiny_gpt``) can be named as import strings, e.g.
 ``fprep.testing.models:llama_405b``.
 """
 
