@@ -39,9 +39,10 @@ def balance_loss(logits: torch.Tensor, indices: torch.Tensor, n_experts: int) ->
     """The Switch Transformer load-balancing loss of one router call, as transformers'
     ``load_balancing_loss_func`` computes it for one layer: ``n_experts * sum_e f_e * P_e``,
     ``f_e`` the top-k assignments to expert ``e`` per token, ``P_e`` its mean routing
-    probability (a softmax over ``logits``). ``top_k`` at a perfect balance, ``n_experts * top_k``
-    when every token goes to the same experts. Its gradient reaches the router through ``P``
-    only (the counts are not differentiable)."""
+    probability (a softmax over ``logits``). ``top_k`` when every expert takes the same share
+    of the tokens; at most ``n_experts``, reached when every token goes to the same experts
+    and they hold all the probability. Its gradient reaches the router through ``P`` only (the
+    counts are not differentiable)."""
     probs = torch.softmax(logits.reshape(-1, n_experts).float(), dim=-1)
     flat = indices.detach().reshape(-1)
     ones = torch.ones_like(flat, dtype=torch.float32)

@@ -16,6 +16,9 @@ import _moe_workers as W
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import fprep
 from fprep.layout.stages import SCHEDULES
@@ -176,6 +179,25 @@ def test_every_token_to_one_expert(ranks: tuple[int, list[W.Case], list[Any]]) -
 
 
 # -- the loop-facing API, one process -------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    experts=st.integers(1, 8),
+    tokens=st.integers(1, 24),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_balance_loss_is_transformers_loss_of_one_layer(
+    experts: int, tokens: int, data: st.DataObject, seed: int
+) -> None:
+    top_k = data.draw(st.integers(1, experts))
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed)) * 3
+    indices = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1).indices
+    got = fprep.balance_loss(logits, indices, experts)
+    want = load_balancing_loss_func((logits,), experts, top_k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert 0 < got <= experts + 1e-5  # at most: every token on the same experts, sure of them
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral", "gptoss"])
 def test_aux_loss_is_transformers_own_for_one_layer(kind: str) -> None:
     """For one MoE layer the watch's loss is transformers' ``outputs.aux_loss``; reading it
