@@ -130,3 +130,19 @@ def rank_pipeline(directory: str) -> dict[str, Any]:
     )
     got = full_state(model)
     return {"mismatches": mismatches(got, {k: want[k] for k in got}), "names": sorted(got)}
+
+
+def qwen3_vl_moe() -> Any:
+    """A tiny Qwen3-VL-MoE: its mapping transposes fused experts of another shape than the
+    model's (``Transpose(check_dims=True)``), and leaves them as they are otherwise."""
+    text = dict(
+        vocab_size=61, hidden_size=24, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1,
+        rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
+    )  # fmt: skip
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=24,
+        patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    return tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision)

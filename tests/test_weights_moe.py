@@ -214,6 +214,35 @@ def test_an_expert_held_twice_is_refused_by_name(saved: dict[str, str], tmp_path
     assert "for expert 3" in str(error)
 
 
+def test_qwen3_vl_moe_reads_its_experts_and_refuses_transposed_ones(tmp_path: Path) -> None:
+    """Qwen3-VL-MoE's mapping transposes a fused expert tensor only when its shape is not the
+    model's: one of the model's shape loads as from_pretrained loads it; a transposed one (which
+    fprep does not read) is refused naming the family, the parameter and the operation."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    tf.Qwen3VLMoeForConditionalGeneration(W.qwen3_vl_moe()).save_pretrained(tmp_path / "vl")
+    with torch.device("meta"):
+        meta = tf.Qwen3VLMoeForConditionalGeneration(W.qwen3_vl_moe())
+    _, meta = fprep.prepare(meta, fprep.PrepConfig(weights=str(tmp_path / "vl")))
+    want = tf.Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "vl").state_dict()
+    assert mismatches(meta.state_dict(), want) == []
+    key = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+
+    def transpose(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()  # (5, 24, 16): as on the hub
+
+    torch.manual_seed(1)
+    model = tf.Qwen3VLMoeForConditionalGeneration(W.qwen3_vl_moe())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    changed = _rewritten(str(tmp_path / "vl"), tmp_path, transpose)
+    with pytest.raises(CheckpointError) as info:
+        fprep.prepare(model, fprep.PrepConfig(weights=str(changed)))
+    assert "qwen3_vl_moe" in str(info.value) and repr(key) in str(info.value)
+    assert "Transpose" in str(info.value) and info.value.subject == key
+    assert mismatches(model.state_dict(), before) == []
+
+
 def _tensors(keys: list[str], shape: tuple[int, ...]) -> dict[str, WeightsTensor]:
     n = math.prod(shape) * 4
     return {k: WeightsTensor(k, "f", "float32", shape, i * n, n) for i, k in enumerate(keys)}

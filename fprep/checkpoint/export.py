@@ -236,20 +236,20 @@ def _layouts(
     experts, one tensor per expert; Mixtral's ``block_sparse_moe``) is written as
     ``save_pretrained`` writes it, so ``from_pretrained`` reads the file back: the names
     transformers' reverse conversion gives (``fprep.weights.hf_conversions``), each fused
-    parameter as its experts' tensors in the order its bytes hold them. Every other model
-    (and a selection, ``select``) is written under its own names."""
+    parameter as its experts' tensors in the order its bytes hold them. A parameter whose
+    conversion fprep cannot stream that way (transformers' other operations), every other
+    model and a selection (``select``) are written under the model's own names, which
+    ``from_pretrained`` reads as well."""
     plain = [[(e.name, e.dtype, e.shape)] for e in entries]
     root = _transformers_root(model)
     if select is not None or root is None:
         return plain
-    names = hf_conversions.checkpoint_names(root, [(e.name, e.dtype, e.shape) for e in entries])
-    if names is None:
+    layout = hf_conversions.checkpoint_layout(root, [(e.name, e.dtype, e.shape) for e in entries])
+    if layout is None:
         return plain
-    renames, conversions = hf_conversions.conversions_for(
-        root, list(names), [e.name for e in entries]
-    )
-    renamed = {target: key for key, target in renames}
-    by_target = {c.target: c for c in conversions}
+    names = layout.shapes
+    renamed = {target: key for key, target in layout.renames}
+    by_target = {c.target: c for c in layout.conversions}
     out = []
     for e in entries:
         conversion = by_target.get(e.name)
@@ -261,16 +261,13 @@ def _layouts(
             for source in conversion.sources
             for k in source.keys
         }
-        order = leaf_order(tree(conversion, e.shape, tensors))
-        if order is None:
-            raise CheckpointError(
-                f"{conversion.family} checkpoints hold the model's {e.name!r} as "
-                f"{', '.join(repr(s.pattern) for s in conversion.sources)}, in an order fprep "
-                "cannot write as the parameter's bytes stream in.",
-                subject=e.name,
-                hint="Call fprep.unwrap(state, model) on every rank (the full model) and save "
-                "it with transformers' save_pretrained on rank 0.",
-            )
+        try:
+            order = leaf_order(tree(conversion, e.shape, tensors))
+        except CheckpointError:  # an operation fprep does not stream
+            order = None
+        if order is None:  # the model's own name, which from_pretrained reads as well
+            out.append([(e.name, e.dtype, e.shape)])
+            continue
         out.append([(k, e.dtype, names[k]) for k in order])
     return out
 

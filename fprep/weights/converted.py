@@ -33,6 +33,9 @@ from fprep.weights.records import (
 
 #: transformers' operations fprep reads: each joins its inputs along one dim.
 SUPPORTED = frozenset({"MergeModulelist", "Concatenate"})
+#: transformers' ``Transpose(check_dims=True)``: transposes a tensor only when its shape is not
+#: already the model's (Qwen3-VL-MoE's fused experts); fprep reads it when it is.
+TRANSPOSE_IF_NEEDED = "Transpose(check_dims)"
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,10 @@ def tree(conv: Conversion, shape: tuple[int, ...], tensors: dict[str, WeightsTen
     ``CheckpointError`` for an operation fprep does not read, an expert the file lacks or
     has twice, or a tensor of another shape, naming it."""
     ops = conv.operations
+    if ops == ((TRANSPOSE_IF_NEEDED, None),) and [len(s.keys) for s in conv.sources] == [1]:
+        key = conv.sources[0].keys[0]
+        if tensors[key].shape == shape:  # transformers does not transpose it either
+            return Leaf(key, shape)
     unsupported = [name for name, _ in ops if name not in SUPPORTED]
     merge = [dim for name, dim in ops if name == "MergeModulelist"]
     concat = [dim for name, dim in ops if name == "Concatenate"]

@@ -11,7 +11,7 @@ model's conversion mapping (``transformers.conversion_mapping.get_model_conversi
 ``with_conversions`` asks transformers, once while planning, where each key of the checkpoint
 goes in this model (its own renaming code, so fprep follows its rules exactly) and records the
 answer as plain, frozen ``WeightsSnapshot.renames`` and ``conversions``; the pure planning
-(``fprep.weights.plan``, ``fprep.weights.converted``) reads those. ``checkpoint_names`` does the
+(``fprep.weights.plan``, ``fprep.weights.converted``) reads those. ``checkpoint_layout`` does the
 reverse for ``fprep.export_full``: the checkpoint's names and shapes for the model's tensors,
 from transformers' own reverse conversion run on meta tensors (no data).
 
@@ -29,6 +29,7 @@ from typing import Any
 from fprep.adapters import AdapterLayout
 from fprep.errors import CheckpointError
 from fprep.snapshot import ModuleTree
+from fprep.weights.converted import TRANSPOSE_IF_NEEDED
 from fprep.weights.records import Conversion, ConvertedSource, WeightsSnapshot
 
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
@@ -75,6 +76,17 @@ def _expert(pattern: str, keys: Iterable[str]) -> tuple[int, str] | None:
                 key[b:].replace("{", "{{").replace("}", "}}")
             )
     return None
+
+
+def _operation(op: Any) -> tuple[str, int | None]:
+    """A transformers operation as ``Conversion.operations`` records it: its class name and
+    dim. A ``Transpose`` that transposes only a tensor not already of the model's shape is
+    ``"Transpose(check_dims)"`` (``fprep.weights.converted`` reads it when it is a no-op)."""
+    name = type(op).__name__
+    if name == "Transpose" and getattr(op, "check_dims", False):
+        return TRANSPOSE_IF_NEEDED, None
+    dim = getattr(op, "dim", None)
+    return name, dim if isinstance(dim, int) else None
 
 
 def conversions_for(
@@ -133,9 +145,7 @@ def conversions_for(
                 target=target,
                 family=name,
                 sources=tuple(records),
-                operations=tuple(
-                    (type(op).__name__, getattr(op, "dim", None)) for op in converter.operations
-                ),
+                operations=tuple(_operation(op) for op in converter.operations),
             )
         )
     return tuple(renames), tuple(conversions)
@@ -170,20 +180,34 @@ def with_conversions(snapshot: WeightsSnapshot, model: Any, tree: ModuleTree) ->
     return dataclasses.replace(snapshot, renames=renames, conversions=conversions)
 
 
-def checkpoint_names(
-    model: Any, entries: Sequence[tuple[str, Any, tuple[int, ...]]]
-) -> dict[str, tuple[int, ...]] | None:
-    """The checkpoint's names and shapes for the model's tensors ``entries`` (name, dtype,
-    shape), as transformers' ``save_pretrained`` writes them (its reverse conversion, run on
-    meta tensors); None for a model without conversions (names unchanged)."""
-    if not is_transformers_model(model) or not _mapping(model, for_saving=True):
-        return None
-    import torch
-    from transformers.core_model_loading import revert_weight_conversion
+@dataclasses.dataclass(frozen=True)
+class CheckpointLayout:
+    """How transformers' ``save_pretrained`` writes a model's tensors: ``shapes`` of the
+    checkpoint's tensors by name, and, read back, the ``renames`` and ``conversions`` that
+    lead from them to the model's tensors (as ``WeightsSnapshot`` records them)."""
 
-    meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, dtype, shape in entries}
+    shapes: dict[str, tuple[int, ...]]
+    renames: tuple[tuple[str, str], ...]
+    conversions: tuple[Conversion, ...]
+
+
+def checkpoint_layout(
+    model: Any, entries: Sequence[tuple[str, Any, tuple[int, ...]]]
+) -> CheckpointLayout | None:
+    """The checkpoint layout of the model's tensors ``entries`` (name, dtype, shape), from
+    transformers' reverse conversion run on meta tensors (no data); None for a model without
+    conversions (names unchanged). Raises ``CheckpointError`` when transformers cannot."""
+    if not is_transformers_model(model):
+        return None
     try:
-        reverted = revert_weight_conversion(model, meta)
+        if not _mapping(model, for_saving=True):
+            return None
+        import torch
+        from transformers.core_model_loading import revert_weight_conversion
+
+        meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, dtype, shape in entries}
+        shapes = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, meta).items()}
+        renames, conversions = conversions_for(model, list(shapes), [n for n, _, _ in entries])
     except Exception as e:
         raise CheckpointError(
             f"transformers could not map this {family(model)} model's tensors back to its "
@@ -192,4 +216,4 @@ def checkpoint_names(
             hint="Call fprep.unwrap(state, model) on every rank (the full model) and save it "
             "with transformers' save_pretrained on rank 0.",
         ) from None
-    return {k: tuple(v.shape) for k, v in reverted.items()}
+    return CheckpointLayout(shapes, renames, conversions)

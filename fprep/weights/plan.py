@@ -135,6 +135,10 @@ def plan_weights(
     for key, renamed in weights.renames:
         by_model_name[renamed] = by_file_key[key]
     converted = {c.target: c for c in weights.conversions}
+    for c in weights.conversions:  # a key transformers converts is read through its conversion
+        for source in c.sources:
+            for key in source.keys:
+                by_model_name.pop(key, None)
     names = [n for p in tree.params for n in p.names] + [b.fqn for b in tree.buffers]
     by_key = {n: by_model_name[key_of(n)] for n in names if key_of(n) in by_model_name}
     kept_whole = frozenset(whole)
