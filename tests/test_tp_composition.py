@@ -54,7 +54,8 @@ def test_fprep_llama_sequence_parallel_layout() -> None:
 def test_transformers_sequence_parallel_layout() -> None:
     state = plan(W.build("hf_qwen2"), SP)
     mods = dict(state.extension.tensor_parallel.modules)  # type: ignore[union-attr]
-    assert mods["model.embed_tokens"] == "sequence_scatter"  # the plan keeps it whole
+    # transformers' resolved plan cuts the embedding's vocabulary: its output Shard(1)
+    assert mods["model.embed_tokens"] == "embedding_rowwise_sequence"
     assert mods["model.layers.1.input_layernorm"] == "sequence_parallel"
     assert mods["model.layers.1.post_attention_layernorm"] == "sequence_parallel"
     assert mods["model.norm"] == "sequence_parallel"
