@@ -55,6 +55,7 @@ from fprep.apply import (
     step,
     sync_module_states,
 )
+from fprep.apply.experts import check_expert_parallel_available
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.fp8 import check_fp8_available
 from fprep.apply.load_weights import load_weights
@@ -220,6 +221,7 @@ def prepare(
                 planned.param_handles.materialize.check()  # the plan, refused by prepare
             check_fp8_available(planned)  # fp8 on CUDA needs a recent enough torchao
             check_pipeline_available(planned)  # the schedule exists in this torch
+            check_expert_parallel_available(planned)
             lora_inits(planned, model)  # LoRA factors on meta: an init fprep can compute
             refuse_training_nothing(model, optimizers)  # an optimizer of frozen parameters
             # Sharding and meta-device materialization replace Parameter objects: record what
