@@ -89,6 +89,12 @@ def test_an_ep_not_dividing_the_experts_is_refused_by_ep() -> None:
     assert "6 experts" in error.message and "model.layers.0.mlp.experts" in error.message
 
 
+def test_ep_in_one_process_says_to_launch_more() -> None:
+    error = refused(QWEN_TREE, 1, strategy="fsdp", ep=2)
+    assert error.subject == "ep" and "one process" in error.message
+    assert "torchrun --nproc-per-node 2" in (error.hint or "")
+
+
 def test_an_ep_not_dividing_the_data_parallel_ranks_is_refused_by_ep() -> None:
     error = refused(QWEN_TREE, 6, strategy="fsdp", ep=4)
     assert isinstance(error, ConfigError) and error.subject == "ep"

@@ -55,6 +55,14 @@ def _with_ep(mesh: MeshPlan, ep: int) -> MeshPlan:
     """The record with its expert-parallel view: ``ep`` ranks borrowed from dp_shard x tp."""
     if ep == 1:
         return mesh
+    if mesh.world_size == 1:
+        raise ConfigError(
+            f"PrepConfig.ep={ep} needs {ep} processes (or a multiple), but this is one "
+            "process: the script was started with plain python, not through a launcher.",
+            subject="ep",
+            hint=f"Launch it with torchrun, one process per device: torchrun --nproc-per-node "
+            f"{ep} train.py (or a multiple of {ep}).",
+        )
     borrowed = mesh.dp_shard * mesh.tp
     if borrowed % ep:
         sizes = f"dp_shard x tp = {mesh.dp_shard} x {mesh.tp}"

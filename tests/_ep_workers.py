@@ -1,0 +1,103 @@
+"""Rank functions for tests/test_expert_parallel.py: training under expert parallelism, one
+spawned job per world size running several cases, each compared by the parent with one process.
+
+A case is ``(name, model kind, PrepConfig fields, router)``. ``router`` is ``"learned"`` (the
+seeded model's own router) or ``"one"``: the router's weights set to zero and frozen, with one
+expert per token, so every token goes to the same expert (``torch.topk`` breaks the tie the same
+way everywhere) and the other experts receive none. Each rank trains ``STEPS`` AdamW steps on its
+data-parallel share of each batch and returns its losses, the experts it holds, and every
+parameter after the last step as one process would hold it: dense parameters gathered over the
+data-parallel ranks, expert parameters gathered over efsdp (this rank's experts only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from _tiny_transformers import mixtral, qwen3_moe
+from torch import nn
+
+import fprep
+
+STEPS = 3
+BATCH = 4  # rows per data-parallel rank
+SEQ = 8
+LR = 1e-2
+
+Case = tuple[str, str, dict[str, Any], str]
+
+
+def build(kind: str, router: str) -> nn.Module:
+    """The model of ``kind`` with the same weights in every process (seeded)."""
+    top_k = 1 if router == "one" else 2
+    model = (qwen3_moe if kind == "qwen3_moe" else mixtral)(num_experts_per_tok=top_k)
+    if router == "one":
+        for layer in model.model.layers:  # type: ignore[union-attr]
+            layer.mlp.gate.weight.data.zero_()
+            layer.mlp.gate.weight.requires_grad_(False)
+    return model
+
+
+def batch(step: int, rows: int) -> torch.Tensor:
+    """Step ``step``'s token ids, ``rows`` x ``SEQ`` (the same in every process)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 256, (rows, SEQ), generator=gen)
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def train(model: nn.Module, rows: slice, dp: int) -> list[float]:
+    """``STEPS`` steps on rows ``rows`` of each batch (of ``BATCH x dp`` rows)."""
+    opt = optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(step, BATCH * dp)[rows]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def reference(kind: str, router: str, dp: int) -> dict[str, Any]:
+    """One process on the whole batch: the losses, the parameters, the experts tokens chose."""
+    model = build(kind, router)
+    chosen: set[int] = set()
+
+    def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+        chosen.update(args[1].reshape(-1).tolist())
+
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        layer.mlp.experts.register_forward_pre_hook(record)
+    losses = train(model, slice(None), dp)
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "chosen": sorted(chosen)}
+
+
+def _whole(p: torch.Tensor) -> np.ndarray:
+    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return full.detach().numpy().copy()
+
+
+def run(cases: list[Case]) -> list[dict[str, Any]]:
+    out = []
+    for name, kind, fields, router in cases:
+        model = build(kind, router)
+        state, model = fprep.prepare(model, fprep.PrepConfig(**fields))
+        plan = state.expert_parallel
+        assert plan is not None
+        dp = state.process_group.mesh.dp_size  # type: ignore[union-attr]
+        rank = state.process_group.mesh.dp_rank  # type: ignore[union-attr]
+        losses = train(model, slice(rank * BATCH, (rank + 1) * BATCH), dp)
+        params = {n: _whole(p) for n, p in model.named_parameters()}
+        experts = {
+            m.fqn: (plan.local_experts(m.fqn).start, plan.local_experts(m.fqn).stop)
+            for m in plan.modules
+        }
+        out.append({"name": name, "losses": losses, "params": params, "experts": experts, "dp": dp})
+    return out
