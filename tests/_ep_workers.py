@@ -12,6 +12,7 @@ data-parallel ranks, expert parameters gathered over efsdp (this rank's experts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ STEPS = 3
 BATCH = 4  # rows per data-parallel rank
 SEQ = 8
 LR = 1e-2
+MAX_NORM = 0.5  # below the first steps' norms: clipping changes every update
 
 Case = tuple[str, str, dict[str, Any], str]
 
@@ -50,18 +52,22 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def train(model: nn.Module, rows: slice, dp: int) -> list[float]:
-    """``STEPS`` steps on rows ``rows`` of each batch (of ``BATCH x dp`` rows)."""
+def train(
+    model: nn.Module, rows: slice, dp: int, clip: Callable[[], torch.Tensor]
+) -> tuple[list[float], list[float]]:
+    """``STEPS`` steps on rows ``rows`` of each batch (of ``BATCH x dp`` rows), gradients
+    clipped by ``clip``: the losses and the norms before clipping."""
     opt = optimizer(model)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         ids = batch(step, BATCH * dp)[rows]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        norms.append(float(clip()))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, norms
 
 
 def reference(kind: str, router: str, dp: int) -> dict[str, Any]:
@@ -74,9 +80,12 @@ def reference(kind: str, router: str, dp: int) -> dict[str, Any]:
 
     for layer in model.model.layers:  # type: ignore[union-attr]
         layer.mlp.experts.register_forward_pre_hook(record)
-    losses = train(model, slice(None), dp)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    losses, norms = train(
+        model, slice(None), dp, lambda: nn.utils.clip_grad_norm_(trained, MAX_NORM)
+    )
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "chosen": sorted(chosen)}
+    return {"losses": losses, "norms": norms, "params": params, "chosen": sorted(chosen)}
 
 
 def _whole(p: torch.Tensor) -> np.ndarray:
@@ -93,11 +102,25 @@ def run(cases: list[Case]) -> list[dict[str, Any]]:
         assert plan is not None
         dp = state.process_group.mesh.dp_size  # type: ignore[union-attr]
         rank = state.process_group.mesh.dp_rank  # type: ignore[union-attr]
-        losses = train(model, slice(rank * BATCH, (rank + 1) * BATCH), dp)
+        losses, norms = train(
+            model,
+            slice(rank * BATCH, (rank + 1) * BATCH),
+            dp,
+            lambda: fprep.clip_grad_norm(state, model, MAX_NORM),  # noqa: B023
+        )
         params = {n: _whole(p) for n, p in model.named_parameters()}
         experts = {
             m.fqn: (plan.local_experts(m.fqn).start, plan.local_experts(m.fqn).stop)
             for m in plan.modules
         }
-        out.append({"name": name, "losses": losses, "params": params, "experts": experts, "dp": dp})
+        out.append(
+            {
+                "name": name,
+                "losses": losses,
+                "norms": norms,
+                "params": params,
+                "experts": experts,
+                "dp": dp,
+            }
+        )
     return out

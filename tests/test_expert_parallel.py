@@ -51,6 +51,8 @@ def test_training_equals_one_process(ranks: tuple[int, list[Any]]) -> None:
         for step, want in enumerate(ref["losses"]):
             mean = float(np.mean([r["losses"][step] for r in per_rank]))
             assert abs(mean - want) < TOL, (name, step, mean, want)
+            for r in per_rank:  # fprep.clip_grad_norm: the whole model's norm on every rank
+                assert abs(r["norms"][step] - ref["norms"][step]) < TOL, (name, step)
         held: dict[str, list[int]] = {}
         for r in per_rank:
             for fqn, value in r["params"].items():
