@@ -214,3 +214,19 @@ def test_a_refused_prepare_leaves_the_model_as_it_was() -> None:
         assert after[name] is param and torch.equal(param, value)
     assert "forward" not in vars(model.model.layers[0].mlp.experts)  # not dispatched
     assert not any(hasattr(m, "_get_fsdp_state") for m in model.modules())  # nor sharded
+
+
+def test_checkpoints_are_refused_under_expert_parallelism(tmp_path: Path) -> None:
+    """Each rank holds other experts under the same names: refused, not written as copies."""
+    state = planned(QWEN_TREE, 2, 0, strategy="fsdp", ep=2)
+    calls = {
+        "fprep.save": lambda: fprep.save(tmp_path, state, QWEN),
+        "fprep.load": lambda: fprep.load(tmp_path, state, QWEN),
+        "fprep.export_full": lambda: fprep.export_full(tmp_path / "m.safetensors", state, QWEN),
+        "fprep.save_pretrained": lambda: fprep.save_pretrained(tmp_path, state, QWEN),
+    }
+    for what, call in calls.items():
+        with pytest.raises(fprep.CheckpointError) as caught:
+            call()
+        assert caught.value.subject == "ep" and caught.value.message.startswith(what)
+    assert not any(tmp_path.iterdir())
