@@ -194,6 +194,14 @@ def init_expert_parallel(state: PrepState) -> PrepState:
     mesh = need(state.process_group, "init_process_group", "init_expert_parallel").mesh
     refuse_not_composed(state.config)
     _refuse_strategy(state)
+    if state.config.sync_module_states:
+        raise ConfigError(
+            f"PrepConfig.ep={state.config.ep} with sync_module_states=True: rank 0 holds only "
+            "its own experts, so it cannot send the others theirs.",
+            subject="sync_module_states",
+            hint="Build the model with the same weights on every rank (the same seed, or "
+            "from_pretrained) and leave sync_module_states False.",
+        )
     if state.config.weights is not None:
         raise ConfigError(
             f"PrepConfig.ep={state.config.ep} with weights=: fprep does not yet read each "
