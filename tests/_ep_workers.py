@@ -1,7 +1,8 @@
 """Rank functions for tests/test_expert_parallel.py: training under expert parallelism, one
 spawned job per world size running several cases, each compared by the parent with one process.
 
-A case is ``(name, model kind, PrepConfig fields, router)``. ``router`` is ``"learned"`` (the
+A case is ``(name, model kind, PrepConfig fields, router)``; a kind may name its expert count
+(``"qwen3_moe:2"``). ``router`` is ``"learned"`` (the
 seeded model's own router) or ``"one"``: the router's weights set to zero and frozen, with one
 expert per token, so every token goes to the same expert (``torch.topk`` breaks the tie the same
 way everywhere) and the other experts receive none. Each rank trains ``STEPS`` AdamW steps on its
@@ -25,7 +26,10 @@ import fprep
 STEPS = 3
 BATCH = 4  # rows per data-parallel rank
 SEQ = 8
-LR = 1e-2
+#: AdamW moves an entry by about lr x (its gradient's rounding noise / the gradient): where a
+#: gradient nearly cancels, the ranks' other summation order (the gradients agree within 2e-8)
+#: moved parameters by 2e-5 at lr 1e-2 (the 2-expert case). At 1e-3 that stays within 1e-5.
+LR = 1e-3
 MAX_NORM = 0.5  # below the first steps' norms: clipping changes every update
 
 Case = tuple[str, str, dict[str, Any], str]
@@ -34,7 +38,11 @@ Case = tuple[str, str, dict[str, Any], str]
 def build(kind: str, router: str) -> nn.Module:
     """The model of ``kind`` with the same weights in every process (seeded)."""
     top_k = 1 if router == "one" else 2
-    model = (qwen3_moe if kind == "qwen3_moe" else mixtral)(num_experts_per_tok=top_k)
+    family, _, count = kind.partition(":")
+    sizes: dict[str, Any] = {"num_experts_per_tok": top_k}
+    if count:
+        sizes["num_experts" if family == "qwen3_moe" else "num_local_experts"] = int(count)
+    model = (qwen3_moe if family == "qwen3_moe" else mixtral)(**sizes)
     if router == "one":
         for layer in model.model.layers:  # type: ignore[union-attr]
             layer.mlp.gate.weight.data.zero_()
@@ -108,6 +116,9 @@ def run(cases: list[Case]) -> list[dict[str, Any]]:
             dp,
             lambda: fprep.clip_grad_norm(state, model, MAX_NORM),  # noqa: B023
         )
+        placements = {
+            n: str(p.placements) for n, p in model.named_parameters() if n in plan.param_fqns
+        }
         params = {n: _whole(p) for n, p in model.named_parameters()}
         experts = {
             m.fqn: (plan.local_experts(m.fqn).start, plan.local_experts(m.fqn).stop)
@@ -120,6 +131,7 @@ def run(cases: list[Case]) -> list[dict[str, Any]]:
                 "norms": norms,
                 "params": params,
                 "experts": experts,
+                "placements": placements,
                 "dp": dp,
             }
         )

@@ -1,7 +1,8 @@
 """Expert parallelism trains a transformers MoE exactly as one process does: at 2 gloo ranks
-(ep 2) and 4 (ep 2 x efsdp 2, and ep 4), the losses of 3 AdamW steps and every parameter after
-them equal one process's on the whole batch within 1e-5 (fp32), also when every token goes to
-one expert and the others receive none. The plan and its refusals: test_expert_parallel_plan.py."""
+(ep 2) and 4 (ep 2 x efsdp 2, also with 2 experts, which FSDP shards inside, and ep 4), the
+losses and clipped norms of 3 AdamW steps and every parameter after them equal one process's on
+the whole batch within 1e-5 (fp32), also when every token goes to one expert and the others
+receive none. The plan and its refusals: test_expert_parallel_plan.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CASES: dict[int, list[W.Case]] = {
     4: [
         ("qwen_dp2_ep2", "qwen3_moe", {"strategy": "fsdp", "ep": 2}, "learned"),
         ("qwen_ep4_one_expert", "qwen3_moe", {"strategy": "fsdp", "ep": 4}, "one"),
+        # 2 experts over efsdp 2 x ep 2: FSDP shards inside each expert (dimension 1)
+        ("qwen_2_experts_dp2_ep2", "qwen3_moe:2", {"strategy": "fsdp", "ep": 2}, "learned"),
     ],
 }
 
@@ -64,6 +67,10 @@ def test_training_equals_one_process(ranks: tuple[int, list[Any]]) -> None:
                     held.setdefault(fqn, []).extend(range(start, stop))
                 assert _close(value, want) < TOL, (name, fqn)
             assert r["params"].keys() == ref["params"].keys(), name
+        inside = name == "qwen_2_experts_dp2_ep2"  # efsdp x ep exceeds the experts
+        for r in per_rank:
+            shards = set(r["placements"].values())
+            assert shards == {f"(Shard(dim={1 if inside else 0}),)"}, (name, shards)
         # every expert was trained somewhere: each one by world / ep ranks (its efsdp copies)
         for fqn, experts in held.items():
             assert sorted(set(experts)) == list(range(ref["params"][fqn].shape[0])), (name, fqn)
