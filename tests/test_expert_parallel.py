@@ -15,15 +15,24 @@ import pytest
 from fprep.testing.distributed import run_ranks
 
 TOL = 1e-5
+BLOCK = ("Qwen3MoeDecoderLayer",)
 
 CASES: dict[int, list[W.Case]] = {
     2: [
         ("qwen_ep2", "qwen3_moe", {"strategy": "fsdp", "ep": 2}, "learned"),
         ("qwen_ep2_one_expert", "qwen3_moe", {"strategy": "fsdp", "ep": 2}, "one"),
         ("mixtral_ep2", "mixtral", {"strategy": "fsdp", "ep": 2}, "learned"),
+        # backward recomputes each block's forward, its all-to-alls too, in the same order
+        (
+            "qwen_ep2_checkpointed",
+            "qwen3_moe",
+            {"strategy": "fsdp", "ep": 2, "activation_checkpointing": True, "wrap": BLOCK},
+            "learned",
+        ),
     ],
     4: [
-        ("qwen_dp2_ep2", "qwen3_moe", {"strategy": "fsdp", "ep": 2}, "learned"),
+        # each block its own FSDP unit, its experts one inside it (sharded first, over efsdp)
+        ("qwen_dp2_ep2", "qwen3_moe", {"strategy": "fsdp", "ep": 2, "wrap": BLOCK}, "learned"),
         ("qwen_ep4_one_expert", "qwen3_moe", {"strategy": "fsdp", "ep": 4}, "one"),
         # 2 experts over efsdp 2 x ep 2: FSDP shards inside each expert (dimension 1)
         ("qwen_2_experts_dp2_ep2", "qwen3_moe:2", {"strategy": "fsdp", "ep": 2}, "learned"),

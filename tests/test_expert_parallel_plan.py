@@ -111,6 +111,7 @@ def test_an_ep_not_dividing_the_data_parallel_ranks_is_refused_by_ep() -> None:
         ({"strategy": "hsdp", "hsdp_shard_size": 2}, "strategy"),
         ({"strategy": "auto"}, "strategy"),  # ddp without tp
         ({"sync_module_states": True}, "sync_module_states"),
+        ({"compile": "regional", "wrap": ("Qwen3MoeDecoderLayer",)}, "compile"),
     ],
 )
 def test_what_expert_parallelism_does_not_compose_with_yet_is_refused(

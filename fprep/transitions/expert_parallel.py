@@ -194,6 +194,14 @@ def init_expert_parallel(state: PrepState) -> PrepState:
     mesh = need(state.process_group, "init_process_group", "init_expert_parallel").mesh
     refuse_not_composed(state.config)
     _refuse_strategy(state)
+    if state.config.compile != "none":
+        raise ConfigError(
+            f"PrepConfig.ep={state.config.ep} with compile={state.config.compile!r}: the "
+            "experts' dispatch reads its all-to-all sizes on the host, which fprep has not "
+            "compiled and checked yet.",
+            subject="compile",
+            hint="Leave compile='none' with ep > 1, or set ep=1.",
+        )
     if state.config.sync_module_states:
         raise ConfigError(
             f"PrepConfig.ep={state.config.ep} with sync_module_states=True: rank 0 holds only "
