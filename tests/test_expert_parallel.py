@@ -34,6 +34,13 @@ CASES: dict[int, list[W.Case]] = {
         # each block its own FSDP unit, its experts one inside it (sharded first, over efsdp)
         ("qwen_dp2_ep2", "qwen3_moe", {"strategy": "fsdp", "ep": 2, "wrap": BLOCK}, "learned"),
         ("qwen_ep4_one_expert", "qwen3_moe", {"strategy": "fsdp", "ep": 4}, "one"),
+        # 2 replicas x ep 2 (efsdp 1): the experts are replicated over the replicas (HSDP)
+        (
+            "qwen_hsdp2x2_ep2",
+            "qwen3_moe",
+            {"strategy": "hsdp", "hsdp_shard_size": 2, "ep": 2},
+            "learned",
+        ),
         # 2 experts over efsdp 2 x ep 2: FSDP shards inside each expert (dimension 1)
         ("qwen_2_experts_dp2_ep2", "qwen3_moe:2", {"strategy": "fsdp", "ep": 2}, "learned"),
     ],
@@ -79,7 +86,9 @@ def test_training_equals_one_process(ranks: tuple[int, list[Any]]) -> None:
         inside = name == "qwen_2_experts_dp2_ep2"  # efsdp x ep exceeds the experts
         for r in per_rank:
             shards = set(r["placements"].values())
-            assert shards == {f"(Shard(dim={1 if inside else 0}),)"}, (name, shards)
+            dim = 1 if inside else 0
+            want = "(Replicate(), Shard(dim=0))" if "hsdp" in name else f"(Shard(dim={dim}),)"
+            assert shards == {want}, (name, shards)
         # every expert was trained somewhere: each one by world / ep ranks (its efsdp copies)
         for fqn, experts in held.items():
             assert sorted(set(experts)) == list(range(ref["params"][fqn].shape[0])), (name, fqn)

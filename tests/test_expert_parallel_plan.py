@@ -108,7 +108,6 @@ def test_an_ep_not_dividing_the_data_parallel_ranks_is_refused_by_ep() -> None:
         ({"tp": 2}, "tp"),
         ({"tp": 2, "sequence_parallel": True}, "tp"),
         ({"strategy": "ddp"}, "strategy"),
-        ({"strategy": "hsdp", "hsdp_shard_size": 2}, "strategy"),
         ({"strategy": "auto"}, "strategy"),  # ddp without tp
         ({"sync_module_states": True}, "sync_module_states"),
         ({"compile": "regional", "wrap": ("Qwen3MoeDecoderLayer",)}, "compile"),
@@ -120,6 +119,14 @@ def test_what_expert_parallelism_does_not_compose_with_yet_is_refused(
     error = refused(QWEN_TREE, 4, **{"strategy": "fsdp", "ep": 2, **fields})
     assert isinstance(error, ConfigError) and error.subject == subject
     assert "ep=2" in error.message and error.hint
+
+
+def test_hsdp_borrows_ep_inside_each_replica() -> None:
+    state = planned(QWEN_TREE, 8, 6, strategy="hsdp", hsdp_shard_size=4, ep=2)
+    plan = state.expert_parallel
+    assert plan is not None and plan.mesh.dp_replicate == 2
+    assert (plan.mesh.ep_group, plan.mesh.efsdp_group) == ((6, 7), (4, 6))
+    assert plan.gradient_divide_factor == 8
 
 
 def test_a_model_without_an_ep_plan_needs_one() -> None:

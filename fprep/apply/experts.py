@@ -1,9 +1,10 @@
 """experts: each rank keeps its experts and sends every routed token to the rank holding its
 expert (expert parallelism, ``PrepState.expert_parallel``).
 
-The step builds the expert mesh ``(efsdp, ep)`` over the world (ep innermost, as the mesh record
-lays it out), then, for every experts module of the plan, keeps this rank's experts of each
-parameter (the values one process holds for them) and gives the module a forward that
+The step builds the expert mesh ``(dp_replicate, efsdp, ep)`` over the world (ep innermost, as
+the mesh record lays it out), then, for every experts module of the plan, keeps this rank's
+experts of each parameter (the values one process holds for them) and gives the module a
+forward that
 
 1. sorts the ``(token, expert)`` pairs of this rank's batch by expert, hence by the rank that
    holds the expert;
@@ -160,11 +161,18 @@ def _keep_local(module: nn.Module, plan: ExpertModule, ep_rank: int) -> None:
 
 
 def expert_mesh(state: PrepState, plan: ExpertParallelState) -> Any:
-    """The ``(efsdp, ep)`` DeviceMesh over the world (ep innermost, as the mesh record)."""
+    """The ``(dp_replicate, efsdp, ep)`` DeviceMesh over the world (ep innermost, as the mesh
+    record lays the ranks out)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = handles_of(state).device
-    return init_device_mesh(device.type, (plan.efsdp, plan.ep), mesh_dim_names=("efsdp", "ep"))
+    shape = (plan.mesh.dp_replicate, plan.efsdp, plan.ep)
+    return init_device_mesh(device.type, shape, mesh_dim_names=EXPERT_MESH_NAMES)
+
+
+#: The expert mesh's dimensions: the data-parallel replicas, the copies of each expert inside
+#: one (which FSDP shards them over), the ranks holding different experts.
+EXPERT_MESH_NAMES = ("dp_replicate", "efsdp", "ep")
 
 
 @step("experts")
@@ -191,8 +199,9 @@ def experts(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
 
 
 def shard_experts(state: PrepState, model: nn.Module, mp: Any, offload: Any) -> None:
-    """FSDP2 over efsdp on every experts module (before their blocks), their gradients divided
-    by the data-parallel size: every expert sees tokens of all the data-parallel batches."""
+    """FSDP2 over efsdp (HSDP over the replicas and efsdp) on every experts module, before their
+    blocks, their gradients divided by the data-parallel size: every expert sees tokens of all
+    the data-parallel batches."""
     plan = state.expert_parallel
     if plan is None:
         return
@@ -202,12 +211,14 @@ def shard_experts(state: PrepState, model: nn.Module, mp: Any, offload: Any) -> 
     mesh = handles_of(state).expert_mesh
     core = state.core
     assert core is not None and mesh is not None
+    # FSDP over efsdp; HSDP over (replicas, efsdp) when the data-parallel ranks replicate
+    fsdp_mesh = mesh[("dp_replicate", "efsdp")] if plan.mesh.dp_replicate > 1 else mesh["efsdp"]
     for spec in plan.modules:
         module = model.get_submodule(spec.fqn)
         dims = {p.fqn.rpartition(".")[2]: p.fsdp_dim for p in spec.params}
         fully_shard(
             module,
-            mesh=mesh["efsdp"],
+            mesh=fsdp_mesh,
             reshard_after_forward=core.reshard_after_forward is not False,
             mp_policy=mp,
             offload_policy=offload,

@@ -10,7 +10,7 @@ its ``gate_up_proj`` and ``down_proj``), and for each of them the experts this r
 It refuses, before any effect: an ep that does not divide a module's expert count (ep not
 dividing dp_shard x tp is refused by ``init_process_group``), what expert parallelism is not yet
 composed with (pipeline and tensor parallelism, sequence parallelism, strategies other than
-``fsdp``), a plan that names nothing or a module whose parameters are not fused experts
+``fsdp`` and ``hsdp``), a plan that names nothing or a module whose parameters are not fused experts
 (``experts x 2I x H`` gate and up projections, ``experts x H x I`` down projection).
 """
 
@@ -65,12 +65,12 @@ def refuse_not_composed(cfg: PrepConfig) -> None:
 def _refuse_strategy(state: PrepState) -> None:
     ep = state.config.ep
     core = need(state.core, "init_core", "init_expert_parallel")
-    if core.strategy != "fsdp":
+    if core.strategy not in ("fsdp", "hsdp"):
         raise ConfigError(
-            f"PrepConfig.ep={ep} needs strategy='fsdp' (the experts are sharded by FSDP over "
-            f"the ranks holding the same experts); the strategy is {core.strategy!r}.",
+            f"PrepConfig.ep={ep} needs strategy='fsdp' or 'hsdp' (the experts are sharded by "
+            f"FSDP over the ranks holding the same experts); the strategy is {core.strategy!r}.",
             subject="strategy",
-            hint="Set strategy='fsdp', or ep=1.",
+            hint="Set strategy='fsdp' (or 'hsdp'), or ep=1.",
         )
 
 
