@@ -1,17 +1,19 @@
 """init_expert_parallel: which experts each rank holds, and with whom it exchanges tokens (pure).
 
 Runs only when ``PrepConfig.ep > 1``, after ``init_extension`` (it reads the mesh record's ep
-view, the resolved strategy and the tensor-parallel plan). It finds the experts modules by the
+view, the resolved strategy and the ignored parameters). It finds the experts modules by the
 expert-parallel plan: ``PrepConfig.ep_plan``, or the model's own (transformers'
 ``base_model_ep_plan``: ``layers.*.mlp.experts: ep_dispatch_experts`` and ``grouped_gemm`` on
 its ``gate_up_proj`` and ``down_proj``), and for each of them the experts this rank keeps
 (``fprep.layout.experts``), the shape FSDP leaves it of each parameter, and its bytes.
 
 It refuses, before any effect: an ep that does not divide a module's expert count (ep not
-dividing dp_shard x tp is refused by ``init_process_group``), what expert parallelism is not yet
-composed with (pipeline and tensor parallelism, sequence parallelism, strategies other than
-``fsdp`` and ``hsdp``), a plan that names nothing or a module whose parameters are not fused experts
-(``experts x 2I x H`` gate and up projections, ``experts x H x I`` down projection).
+dividing dp_shard x tp is refused by ``init_process_group``); what expert parallelism is not
+composed with yet (pipeline and tensor parallelism, sequence parallelism, strategies other than
+``fsdp`` and ``hsdp``, compile, ``sync_module_states``, experts on the meta device and
+``weights=``); a plan that names nothing, or a module whose parameters are not fused experts
+(``experts x 2I x H`` gate and up projections, ``experts x H x I`` down projection); ignored
+experts.
 """
 
 from __future__ import annotations

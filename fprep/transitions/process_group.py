@@ -9,6 +9,9 @@ default) and replicates with those of its column. Under tensor parallelism the t
 innermost, so each tp group is a run of neighbouring ranks and the data-parallel peers of a rank
 are those with its tp coordinate. Under pipeline parallelism pp is outermost: each pipeline
 rank's block of ranks is contiguous, and data-parallel peers also share the pp coordinate.
+Under expert parallelism (``PrepConfig.ep > 1``) the record gains its ep view, borrowed from
+``dp_shard x tp``; an ep that does not divide those ranks is refused here, as are the
+parallelisms ep does not compose with yet (``init_expert_parallel`` plans the experts).
 """
 
 from __future__ import annotations
