@@ -92,10 +92,12 @@ def save_pretrained(
     (``adapter_model.safetensors`` and ``adapter_config.json``, for
     ``PeftModel.from_pretrained``); ``config=`` does not apply to them. See docs/finetune.md.
     """
+    from fprep.checkpoint import refuse_expert_parallel
     from fprep.checkpoint.adapters import peft_model_of, save_adapters
     from fprep.checkpoint.export import save_pretrained as _save_pretrained
     from fprep.collectives import collective
 
+    refuse_expert_parallel(state, "fprep.save_pretrained")
     peft_model = peft_model_of(model)
     with collective("fprep.save_pretrained", state.config.timeout_s):
         if peft_model is not None:

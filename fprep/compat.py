@@ -319,3 +319,24 @@ def float8_config(api: Float8Api, recipe: str, *, fsdp_all_gather: bool, emulate
     if emulate:
         changes["emulate"] = True
     return dataclasses.replace(config, **changes) if changes else config
+
+
+# -- expert parallelism --------------------------------------------------------------------------
+@functools.cache
+def grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on ``device_type`` in ``dtype``
+    in this torch (the experts of expert parallelism then run as one grouped GEMM per
+    projection; otherwise a loop over the local experts). Decided once per process by running
+    it on a few rows: which devices, dtypes and architectures it supports has changed from one
+    release to the next (CUDA needed sm90 at first; the CPU runs it since 2.8)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        rows = torch.ones(3, 8, device=device_type, dtype=dtype, requires_grad=True)
+        weights = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        ends = torch.tensor([1, 3], device=device_type, dtype=torch.int32)
+        out = torch._grouped_mm(rows, weights.transpose(-2, -1), offs=ends)
+        torch.autograd.backward(out, torch.ones_like(out))
+        return bool(weights.grad is not None and float(weights.grad.sum()) == 3 * 8 * 8)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False

@@ -367,6 +367,13 @@ class PrepConfig(_KeywordsChecked):
     pp_stages_per_rank: int = 2
     #: module names per stage, outermost first; None: the model's own split (docs/parallelism.md)
     pp_split: tuple[tuple[str, ...], ...] | None = None
+    # expert parallelism: ep ranks, borrowed from dp_shard x tp, each hold experts / ep of every
+    # experts module and exchange the routed tokens with an all-to-all (docs/parallelism.md)
+    ep: int = 1
+    #: ``{module pattern: style}`` (``"ep_dispatch_experts"`` on experts modules,
+    #: ``"grouped_gemm"`` on their parameters); None: the model's own (transformers'
+    #: ``base_model_ep_plan``). Kept as sorted ``(pattern, style)`` pairs (``ep_plan_pairs``)
+    ep_plan: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
     # precision
     precision: Precision = "no"
     reduce_dtype: FloatDType | None = None
@@ -435,6 +442,7 @@ class PrepConfig(_KeywordsChecked):
         _check_bool(o, "sequence_parallel", self.sequence_parallel)
         _check_sequence_parallel(self)
         _check_pipeline(self)
+        _check_expert_parallel(self)
         _check_choice(o, "precision", self.precision, Precision)
         if self.reduce_dtype is not None:
             _check_choice(o, "reduce_dtype", self.reduce_dtype, FloatDType)
@@ -498,6 +506,12 @@ class PrepConfig(_KeywordsChecked):
         return None if plan is None else tuple(plan.items() if isinstance(plan, Mapping) else plan)
 
     @property
+    def ep_plan_pairs(self) -> tuple[tuple[str, str], ...] | None:
+        """``ep_plan`` as the sorted ``(pattern, style)`` pairs it is stored as."""
+        plan = self.ep_plan
+        return None if plan is None else tuple(plan.items() if isinstance(plan, Mapping) else plan)
+
+    @property
     def effective_reshard_after_forward(self) -> bool | int:
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
@@ -514,7 +528,7 @@ class PrepConfig(_KeywordsChecked):
                 value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
             elif f.name == "wrap":
                 value = _wrap_to_plain(value)
-            elif f.name == "tp_plan" and value is not None:
+            elif f.name in ("tp_plan", "ep_plan") and value is not None:
                 value = dict(value)
             elif f.name == "pp_split" and value is not None:
                 value = [list(stage) for stage in value]
@@ -704,6 +718,46 @@ def _check_pipeline(cfg: PrepConfig) -> None:
             "is set but pp=1: there is no pipeline to split or feed.",
             "Set pp > 1 (the pipeline ranks), or leave it unset.",
         )
+
+
+#: The styles of an expert-parallel plan (transformers' names): the experts module dispatches
+#: its tokens to the ranks holding their experts; its parameters run as one grouped GEMM.
+EP_STYLES = ("ep_dispatch_experts", "grouped_gemm")
+
+
+def _check_expert_parallel(cfg: PrepConfig) -> None:
+    o = "PrepConfig"
+    _check_int(o, "ep", cfg.ep, minimum=1)
+    plan: Any = cfg.ep_plan
+    if plan is None:
+        return
+    if isinstance(plan, tuple) and all(isinstance(i, tuple) and len(i) == 2 for i in plan):
+        plan = dict(plan)
+    if not isinstance(plan, Mapping):
+        raise _fail(
+            o,
+            "ep_plan",
+            f"must be a dict {{module pattern: style}}; got {type(plan).__qualname__}.",
+            'e.g. ep_plan={"layers.*.mlp.experts": "ep_dispatch_experts"}',
+        )
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise _fail(o, "ep_plan", f"has a pattern {pattern!r}; patterns are FQNs.")
+        if style not in EP_STYLES:
+            raise _fail(
+                o,
+                "ep_plan",
+                f"gives {pattern!r} the style {style!r}, which is not an expert-parallel style.",
+                f"Use one of {', '.join(map(repr, EP_STYLES))}.",
+            )
+    if cfg.ep == 1:
+        raise _fail(
+            o,
+            "ep_plan",
+            "is set but ep=1: there are no expert-parallel ranks to spread experts over.",
+            "Set ep > 1 (the expert-parallel ranks), or leave ep_plan unset.",
+        )
+    object.__setattr__(cfg, "ep_plan", tuple(sorted(plan.items())))
 
 
 def _check_device(device: object) -> None:

@@ -17,6 +17,7 @@ research loop:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -189,13 +190,33 @@ def clip_grad_norm(
     # one all-reduce per distinct mesh (and one over the pipeline); a lost rank is a
     # CollectiveError
     with collective("fprep.clip_grad_norm", state.config.timeout_s, arrive=False):
-        total_norm = total_norm_of(grads, norm_type, across)
+        if state.expert_parallel is not None:
+            total_norm = _norm_with_experts(state, model, norm_type)
+        else:
+            total_norm = total_norm_of(grads, norm_type, across)
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     with torch.no_grad():
         for g in grads:  # a DTensor: scale this rank's shard, no collective, no dispatch
             local: torch.Tensor = g.to_local() if is_dtensor(g) else g  # type: ignore[attr-defined]
             local.mul_(coef.to(local.device))
     return total_norm
+
+
+def _norm_with_experts(state: PrepState, model: nn.Module, norm_type: float) -> torch.Tensor:
+    """Under expert parallelism the ranks of an ep group hold different experts: the experts'
+    gradients are reduced over their efsdp mesh, then over the ep group; the others as usual."""
+    plan = need(state.expert_parallel, "init_expert_parallel", "clip_grad_norm")
+    names = set(plan.param_fqns)
+    experts: list[torch.Tensor] = []
+    dense: list[torch.Tensor] = []
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            (experts if name in names else dense).append(param.grad)
+    p = check_norm_type(norm_type)
+    group = handles_of(state).expert_mesh.get_group("ep")
+    own, rest = total_norm_of(experts, p, group), total_norm_of(dense, p)
+    parts = torch.stack([own, rest.to(own.device)])
+    return parts.max() if math.isinf(p) else parts.pow(p).sum().pow(1.0 / p)
 
 
 def autocast(state: PrepState) -> contextlib.AbstractContextManager[Any]:

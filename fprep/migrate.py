@@ -265,16 +265,22 @@ def _hf_value(config: Any, name: str, default: Any) -> Any:
 
 def distributed_fields(config: Any) -> dict[str, Any]:
     """``PrepConfig`` fields from transformers' ``DistributedConfig`` (or its dict): the mesh
-    is the same, pp outermost and tp innermost: ``pp x dp_replicate x fsdp x tp``."""
+    is the same, pp outermost and tp innermost: ``pp x dp_replicate x fsdp x tp``, and
+    ``ep_size`` ranks borrowed from ``fsdp x tp`` (its ``efsdp = fsdp x tp / ep``)."""
     tp, fsdp, rep, pp, ep = (_hf_size(config, n) for n in _HF_SIZES)
-    if ep > 1 or _hf_value(config, "enable_expert_parallel", False):
+    if ep == 1 and _hf_value(config, "enable_expert_parallel", False):
         raise ConfigError(
-            f"DistributedConfig.ep_size={ep}: fprep does not run expert parallelism yet.",
-            subject="ep_size",
-            hint="Set ep_size to 1 (experts are then sharded like every other parameter), or "
-            "stay on transformers' own loop for this run.",
+            "DistributedConfig.enable_expert_parallel is set without ep_size: transformers "
+            "removed that flag (it meant ep_size = tp_size with an empty tp_plan).",
+            subject="enable_expert_parallel",
+            hint="Give ep_size, the expert-parallel ranks, instead.",
         )
     out: dict[str, Any] = {"tp": tp, "pp": pp}
+    if ep > 1:
+        out["ep"] = ep
+    ep_plan = _hf_value(config, "ep_plan", None)
+    if isinstance(ep_plan, Mapping) and ep_plan:
+        out["ep_plan"] = dict(ep_plan)
     plan = _hf_value(config, "tp_plan", None)
     if isinstance(plan, Mapping):
         out["tp_plan"] = dict(plan)

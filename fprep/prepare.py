@@ -6,6 +6,7 @@ The default pipeline, in order (each step is a no-op when the plan does not ask 
    ``split_stages``       pipeline parallelism: this rank's part and its stage modules (pp > 1)
 2. ``fp8``                the planned Linear layers become float8 ones (precision="fp8")
 3. ``parallelize``        tensor parallelism: ``parallelize_module`` on the tp sub-mesh (tp > 1)
+   ``experts``            expert parallelism: each rank keeps its experts (ep > 1)
 4. ``checkpoint``         activation checkpointing per region (non-reentrant torch.utils.checkpoint)
 5. ``compile_regions``    regional ``torch.compile`` of the repeated blocks
 6. ``shard``              FSDP2 ``fully_shard`` per unit, then the root (fsdp, hsdp)
@@ -55,6 +56,7 @@ from fprep.apply import (
     step,
     sync_module_states,
 )
+from fprep.apply.experts import experts
 from fprep.apply.fast_ddp import DEFER_SYNC_ATTR
 from fprep.apply.fp8 import check_fp8_available
 from fprep.apply.load_weights import load_weights
@@ -101,6 +103,7 @@ def default_steps(*, mesh: Any = None, process_group: Any = None) -> tuple[Step,
         split_stages,
         fp8,
         parallelize,
+        experts,
         checkpoint,
         compile_regions,
         shard,

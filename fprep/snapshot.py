@@ -269,6 +269,10 @@ class ModuleTree:
     #: that its forward passes activations through each of them, so a pipeline stage can stand
     #: a pass-through in for the ones another stage holds. None when it has none.
     pp_plan: tuple[str, ...] | None = None
+    #: The model's own expert-parallel plan (transformers' ``ep_plan`` as it resolves it:
+    #: ``base_model_ep_plan`` under ``base_model_prefix``, sub-models' and the class's
+    #: ``_ep_plan``), as ``(module or parameter pattern, style)`` pairs; None when it has none.
+    ep_plan: tuple[tuple[str, str], ...] | None = None
     _module_index: dict[str, ModuleInfo] = field(init=False, repr=False, compare=False, hash=False)
     _param_index: dict[str, ParamInfo] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -445,6 +449,7 @@ class ModuleTree:
             head_counts=head_counts(model),
             model_dims=_config_ints(model, _DIM_FIELDS),
             pp_plan=own_pp_plan(model),
+            ep_plan=own_ep_plan(model),
         )
 
 
@@ -475,6 +480,29 @@ def own_tp_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
         under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
         plan.update({(f"{under}.{k}" if under else str(k)): str(v) for k, v in base.items()})
     own = getattr(type(model), "_tp_plan", None)
+    if isinstance(own, Mapping):
+        plan.update({str(k): str(v) for k, v in own.items()})
+    return tuple(sorted(plan.items())) if plan else None
+
+
+def own_ep_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
+    """The expert-parallel plan a model carries (see ``ModuleTree.ep_plan``), with patterns
+    from the root; None when it declares none."""
+    inner = _peft_base(model)
+    if inner is not None:
+        at, base_model = inner
+        own = own_ep_plan(base_model)
+        return tuple((f"{at}.{k}", v) for k, v in own) if own is not None else None
+    resolved = vars(model).get("_ep_plan")
+    if callable(getattr(model, "init_parallel_plans", None)) and isinstance(resolved, Mapping):
+        return tuple(sorted((str(k), str(v)) for k, v in resolved.items())) or None
+    plan: dict[str, str] = {}
+    base = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    if isinstance(base, Mapping):
+        under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        plan.update({(f"{under}.{k}" if under else str(k)): str(v) for k, v in base.items()})
+    own = getattr(type(model), "_ep_plan", None)
     if isinstance(own, Mapping):
         plan.update({str(k): str(v) for k, v in own.items()})
     return tuple(sorted(plan.items())) if plan else None

@@ -17,6 +17,7 @@ from typing import Literal, TypeVar
 from fprep.config import PrepConfig
 from fprep.errors import ModelError
 from fprep.errors import need as need  # defined beside PlanOrderError, used with sub-states
+from fprep.layout.experts import ExpertLayout
 from fprep.layout.mesh import MeshPlan
 from fprep.layout.placements import Placement
 from fprep.snapshot import ModuleTree
@@ -502,6 +503,101 @@ class ParamHandleState:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertParam:
+    """One parameter of an experts module: its experts stacked on dimension 0."""
+
+    fqn: str
+    #: the whole parameter's shape (every expert)
+    shape: tuple[int, ...]
+    #: what this rank keeps after expert parallelism (its experts) and FSDP over efsdp
+    local_shape: tuple[int, ...]
+    #: the tensor dimension FSDP shards it on over efsdp (1 when efsdp x ep exceeds the experts)
+    fsdp_dim: int
+    itemsize: int
+    #: the plan names it ``grouped_gemm``: its experts run as one grouped matrix product
+    grouped_gemm: bool = False
+
+    @property
+    def local_bytes(self) -> int:
+        """The bytes this rank keeps of it."""
+        return _prod(self.local_shape) * self.itemsize
+
+    @property
+    def full_bytes(self) -> int:
+        return _prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertModule:
+    """An experts module the plan dispatches (``ep_dispatch_experts``) and its parameters."""
+
+    fqn: str
+    cls: str
+    layout: ExpertLayout
+    params: tuple[ExpertParam, ...]
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallelState:
+    """Expert parallelism: which experts this rank holds, and with whom it exchanges tokens.
+
+    ``mesh`` is the mesh record; its ep view (``MeshPlan.ep_group``, ``efsdp_group``) says who
+    exchanges tokens and who shards the same experts. Each experts module keeps on this rank the
+    experts ``module.layout.experts_of(ep_rank)``; FSDP shards them over efsdp, and their
+    gradients are divided by ``gradient_divide_factor``, the data-parallel size (every expert
+    sees tokens of all ``dp_size`` batches, where FSDP over efsdp alone would divide by efsdp).
+    ``source`` says whose plan chose the modules: the config's ``ep_plan`` or the model's own.
+    """
+
+    mesh: MeshPlan
+    modules: tuple[ExpertModule, ...]
+    source: Literal["config", "model"]
+
+    @property
+    def ep(self) -> int:
+        return self.mesh.ep
+
+    @property
+    def efsdp(self) -> int:
+        return self.mesh.efsdp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.mesh.ep_rank
+
+    @property
+    def gradient_divide_factor(self) -> float:
+        """What the experts' summed gradients are divided by: the data-parallel size."""
+        return float(self.mesh.dp_size)
+
+    @property
+    def param_fqns(self) -> tuple[str, ...]:
+        """Every expert parameter's name."""
+        return tuple(p.fqn for m in self.modules for p in m.params)
+
+    def local_experts(self, fqn: str) -> range:
+        """The experts this rank holds of the experts module ``fqn``."""
+        for module in self.modules:
+            if module.fqn == fqn:
+                return module.layout.experts_of(self.ep_rank)
+        raise KeyError(fqn)
+
+    @property
+    def local_bytes(self) -> int:
+        """The bytes of expert parameters this rank keeps."""
+        return sum(p.local_bytes for m in self.modules for p in m.params)
+
+    @property
+    def full_bytes(self) -> int:
+        """The bytes of every expert parameter, whole."""
+        return sum(p.full_bytes for m in self.modules for p in m.params)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrefetchState:
     """Explicit prefetch lists: unit FQN -> the units it prefetches."""
 
@@ -517,6 +613,8 @@ class PrepState:
     process_group: ProcessGroupState | None = None
     #: set by ``init_pipeline`` when ``PrepConfig.pp > 1``; None otherwise
     pipeline: PipelineState | None = None
+    #: set by ``init_expert_parallel`` when ``PrepConfig.ep > 1``; None otherwise
+    expert_parallel: ExpertParallelState | None = None
     ignored: IgnoredState | None = None
     device: DeviceState | None = None
     buffers: BufferState | None = None

@@ -35,6 +35,9 @@ PREREQUISITES: dict[str, frozenset[str]] = {
     "init_core": frozenset({"init_process_group", "init_device", "init_ignored"}),
     "init_runtime": frozenset({"init_core", "init_device", "init_process_group"}),
     "init_extension": frozenset({"init_process_group", "init_ignored"}),
+    # with ep=1 (what the generated configs ask) it plans nothing and reads nothing; with ep > 1
+    # it reads the mesh record, the core and the ignored set (tests/test_expert_parallel_plan.py)
+    "init_expert_parallel": frozenset(),
     "init_state_dict": frozenset({"init_core", "init_process_group"}),
     "init_param_handles": frozenset(
         {"init_core", "init_process_group", "init_ignored", "init_extension"}

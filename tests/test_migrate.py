@@ -254,10 +254,17 @@ def test_transformers_distributed_config(monkeypatch: pytest.MonkeyPatch) -> Non
     assert both.pp_schedule == "Interleaved1F1B"
 
 
-def test_transformers_expert_parallelism_is_refused_by_its_field() -> None:
-    with pytest.raises(ConfigError) as caught:
-        PrepConfig.from_transformers({"tp_size": 2, "ep_size": 2})
-    assert caught.value.subject == "ep_size" and "expert parallelism" in caught.value.message
+def test_transformers_expert_parallelism_is_read() -> None:
+    cfg = PrepConfig.from_transformers(
+        {"fsdp_size": 4, "ep_size": 2, "ep_plan": {"layers.*.mlp.experts": "ep_dispatch_experts"}}
+    )
+    assert (cfg.ep, cfg.strategy) == (2, "fsdp")
+    assert cfg.ep_plan_pairs == (("layers.*.mlp.experts", "ep_dispatch_experts"),)
+    with pytest.raises(ConfigError) as caught:  # the flag transformers removed, without a size
+        PrepConfig.from_transformers({"tp_size": 2, "enable_expert_parallel": True})
+    assert caught.value.subject == "enable_expert_parallel" and "ep_size" in (
+        caught.value.hint or ""
+    )
 
 
 @pytest.mark.parametrize(

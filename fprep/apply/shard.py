@@ -14,6 +14,7 @@ from weakref import ref
 import torch
 from torch import nn
 
+from fprep.apply.experts import shard_experts
 from fprep.apply.steps import handles_of, skipped, step, with_handles
 from fprep.errors import ConfigError
 from fprep.state import PrepState, need
@@ -107,6 +108,15 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     policy = core.precision
     offload: Any = (
         CPUOffloadPolicy(pin_memory=core.pin_memory) if core.offload == "cpu" else OffloadPolicy()
+    )
+    # experts first, over their own mesh: their blocks' fully_shard then leaves them out
+    shard_experts(
+        state,
+        model,
+        MixedPrecisionPolicy(
+            param_dtype=_dtype(policy.param_dtype), reduce_dtype=_dtype(policy.reduce_dtype)
+        ),
+        offload,
     )
     for unit in plan.units:
         mp = MixedPrecisionPolicy(

@@ -65,6 +65,7 @@ class Handles:
     tp_mesh: Any = None  # the tensor-parallel sub-mesh (PrepConfig.tp > 1)
     world_mesh: Any = None  # the whole N-D mesh (pp, dp dims..., tp) under tp or pp
     pp_mesh: Any = None  # the pipeline sub-mesh (PrepConfig.pp > 1)
+    expert_mesh: Any = None  # the (efsdp, ep) mesh of expert parallelism (PrepConfig.ep > 1)
     #: under pp: the modules the pipeline stages run, one per stage of this rank (they share
     #: every module with the model prepare returns; fprep.apply.pipeline_stages)
     stage_modules: tuple[Any, ...] = ()

@@ -104,6 +104,7 @@ def save(
     """
     from fprep.checkpoint.asynchronous import background
 
+    refuse_expert_parallel(state, "fprep.save")
     if not isinstance(wait, bool):
         raise CheckpointError(f"wait must be True or False; got {wait!r}.", subject="wait")
     from fprep.checkpoint.writing import SaveArgs
@@ -147,6 +148,7 @@ def load(
     from fprep.checkpoint.asynchronous import background
     from fprep.checkpoint.reading import load as _load
 
+    refuse_expert_parallel(state, "fprep.load")
     background.settle()  # a save in flight is published (or its failure raised) first
     with guarded("fprep.load", state.config.timeout_s):
         return _load(
@@ -170,8 +172,24 @@ def export_full(path: str | os.PathLike[str], state: PrepState, model: nn.Module
     """
     from fprep.checkpoint.export import export_full as _export_full
 
+    refuse_expert_parallel(state, "fprep.export_full")
     with guarded("fprep.export_full", state.config.timeout_s):
         return _export_full(path, state, model)
+
+
+def refuse_expert_parallel(state: PrepState, what: str) -> None:
+    """Under expert parallelism each rank holds its experts under the whole parameter's name:
+    a checkpoint would record the ranks' different experts as copies of one tensor. Refused,
+    on every rank alike (the plan is the same everywhere), until checkpoints place them."""
+    plan = state.expert_parallel
+    if plan is not None:
+        raise CheckpointError(
+            f"{what} under expert parallelism (ep={plan.ep}): fprep does not yet write or "
+            "read each rank's experts at their place in the whole parameters.",
+            subject="ep",
+            hint="Train with ep=1 where you need checkpoints; expert-parallel checkpoints "
+            "are the next step of expert parallelism.",
+        )
 
 
 def __getattr__(name: str) -> Any:
@@ -182,4 +200,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "LoadedInfo", "SaveHandle", "export_full", "load", "save"]
+__all__ = [
+    "CheckpointError",
+    "LoadedInfo",
+    "SaveHandle",
+    "export_full",
+    "load",
+    "refuse_expert_parallel",
+    "save",
+]

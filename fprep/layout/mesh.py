@@ -6,8 +6,12 @@ are laid out row-major over them, as ``init_device_mesh`` lays out a mesh of tha
 dimension (``tp``) varies fastest, so a tensor-parallel group is a run of neighbouring ranks and
 stays inside a node. A dimension of size 1 is still named; it simply has one member.
 
-Expert parallelism is meant to come as a derived view (a group borrowed from
-``dp_shard`` x ``cp``, as torchtitan does), not as a sixth dimension.
+Expert parallelism is a derived view, not a sixth dimension: ``ep`` ranks borrowed from
+``dp_shard`` x ``tp``, as torchtitan and transformers borrow them. The ``dp_shard`` x ``tp``
+ranks of a data-parallel replica are read, row-major, as ``efsdp`` x ``ep`` with
+``dp_shard x tp = efsdp x ep``: ``ep`` innermost, so an expert-parallel group is a run of
+neighbouring ranks, and each ``efsdp`` group holds copies of the same experts, which FSDP
+shards over it.
 
 Every group is computed from this rank's coordinate and the strides, in time proportional to the
 group's size, never to the world's: a plan for rank 0 of 1024 ranks lists no other rank's group.
@@ -49,6 +53,8 @@ class MeshPlan:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    #: expert-parallel ranks, borrowed from ``dp_shard`` x ``tp`` (a view, not a dimension)
+    ep: int = 1
     ranks: tuple[int, ...] | None = None
     dp_mesh_names: tuple[str, ...] = ()
     #: This rank's row-major position in ``ranks`` (derived, so not compared).
@@ -63,6 +69,7 @@ class MeshPlan:
                     subject=name,
                     hint="Give every mesh dimension a size of 1 or more (1 leaves it unused).",
                 )
+        self._check_ep()
         if self.world_size < 1:
             raise TopologyError(
                 f"world_size={self.world_size} must be at least 1.", subject="world_size"
@@ -80,6 +87,31 @@ class MeshPlan:
                 hint="Give one name for a plain data-parallel mesh, two for (replicate, shard).",
             )
         object.__setattr__(self, "flat_index", self._locate())
+
+    def _check_ep(self) -> None:
+        ep = self.ep
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ConfigError(
+                f"ep={ep!r} must be a whole number of at least 1.",
+                subject="ep",
+                hint="Give ep a size of 1 or more (1 leaves experts unsplit).",
+            )
+        borrowed = self.dp_shard * self.tp
+        if borrowed % ep:
+            raise ConfigError(
+                f"ep={ep} does not divide dp_shard x tp = {self.dp_shard} x {self.tp} = "
+                f"{borrowed}: expert-parallel ranks are borrowed from the sharded data-parallel "
+                "and tensor-parallel ranks.",
+                subject="ep",
+                hint=f"Choose ep among the divisors of {borrowed}.",
+            )
+        if ep > 1 and self.cp > 1:
+            raise ConfigError(
+                f"ep={ep} with cp={self.cp}: expert parallelism does not borrow context-"
+                "parallel ranks.",
+                subject="ep",
+                hint="Leave cp at 1.",
+            )
 
     def _locate(self) -> int:
         size = self.size
@@ -134,7 +166,8 @@ class MeshPlan:
     def describe(self) -> str:
         """The dimensions larger than 1, as ``pp=2 x dp_shard=4`` (``1`` when there are none)."""
         used = [f"{n}={s}" for n, s in zip(DIM_ORDER, self.shape, strict=True) if s > 1]
-        return " x ".join(used) or "1"
+        text = " x ".join(used) or "1"
+        return text if self.ep == 1 else f"{text} (ep={self.ep} x efsdp={self.efsdp})"
 
     def coordinate(self, name: str) -> int:
         """This rank's index along the dimension ``name``."""
@@ -250,3 +283,47 @@ class MeshPlan:
     def tp_group(self) -> tuple[int, ...]:
         """The ranks this rank splits tensors with."""
         return self.group("tp")
+
+    # -- the expert-parallel view (borrowed from dp_shard x tp) ---------------------------------
+
+    @property
+    def efsdp(self) -> int:
+        """How many copies of each expert a data-parallel replica holds, sharded by FSDP over
+        ``efsdp_group``: ``dp_shard x tp / ep``."""
+        return self.dp_shard * self.tp // self.ep
+
+    def _borrowed_index(self) -> int:
+        """This rank's row-major index over ``(dp_shard, tp)``, the ranks ep borrows."""
+        return self.coordinate("dp_shard") * self.tp + self.coordinate("tp")
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group, in ``range(ep)``: which experts it
+        holds."""
+        return self._borrowed_index() % self.ep
+
+    @property
+    def efsdp_rank(self) -> int:
+        """This rank's index in its expert-sharding group, in ``range(efsdp)``."""
+        return self._borrowed_index() // self.ep
+
+    def _borrowed(self, indices: range) -> tuple[int, ...]:
+        """The global ranks at ``(dp_shard, tp)`` indices ``indices`` beside this rank."""
+        shard, tp = self._stride("dp_shard"), self._stride("tp")
+        base = self.flat_index - self.coordinate("dp_shard") * shard - self.coordinate("tp") * tp
+        return tuple(
+            self.global_rank(base + (i // self.tp) * shard + (i % self.tp) * tp) for i in indices
+        )
+
+    @property
+    def ep_group(self) -> tuple[int, ...]:
+        """The ranks this rank exchanges tokens with (each holds other experts), in ep-rank
+        order: neighbouring ranks."""
+        start = self.efsdp_rank * self.ep
+        return self._borrowed(range(start, start + self.ep))
+
+    @property
+    def efsdp_group(self) -> tuple[int, ...]:
+        """The ranks holding the same experts as this rank inside its data-parallel replica,
+        which FSDP shards them over."""
+        return self._borrowed(range(self.ep_rank, self.dp_shard * self.tp, self.ep))

@@ -1,10 +1,12 @@
 """The planning transitions, each ``PrepState -> Result[PrepState, PrepError]``: the design's
-ten, and ``init_pipeline`` (pipeline parallelism, pp > 1)."""
+ten, ``init_pipeline`` (pipeline parallelism, pp > 1) and ``init_expert_parallel`` (expert
+parallelism, ep > 1)."""
 
 from fprep.transitions._base import Transition, transition
 from fprep.transitions.buffers import init_buffers
 from fprep.transitions.core import init_core
 from fprep.transitions.device import init_device
+from fprep.transitions.expert_parallel import init_expert_parallel
 from fprep.transitions.extension import init_extension
 from fprep.transitions.ignored import init_ignored
 from fprep.transitions.param_handles import init_param_handles
@@ -19,6 +21,7 @@ __all__ = [
     "init_buffers",
     "init_core",
     "init_device",
+    "init_expert_parallel",
     "init_extension",
     "init_ignored",
     "init_param_handles",

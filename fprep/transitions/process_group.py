@@ -9,14 +9,20 @@ default) and replicates with those of its column. Under tensor parallelism the t
 innermost, so each tp group is a run of neighbouring ranks and the data-parallel peers of a rank
 are those with its tp coordinate. Under pipeline parallelism pp is outermost: each pipeline
 rank's block of ranks is contiguous, and data-parallel peers also share the pp coordinate.
+Under expert parallelism (``PrepConfig.ep > 1``) the record gains its ep view, borrowed from
+``dp_shard x tp``; an ep that does not divide those ranks is refused here, as are the
+parallelisms ep does not compose with yet (``init_expert_parallel`` plans the experts).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from fprep.errors import ConfigError, TopologyError
 from fprep.layout.mesh import DP_MESH_NAMES, HSDP_MESH_NAMES, MeshPlan
 from fprep.state import MeshSpec, PrepState, ProcessGroupState
 from fprep.transitions._base import transition
+from fprep.transitions.expert_parallel import refuse_not_composed
 
 HSDP_DIM_NAMES = HSDP_MESH_NAMES
 DP_DIM_NAMES = DP_MESH_NAMES
@@ -48,8 +54,35 @@ def hybrid_groups(
     return mesh.all_groups("dp_shard"), mesh.all_groups("dp_replicate")
 
 
-def _state_of(mesh: MeshPlan) -> ProcessGroupState:
-    """The process-group state read from the mesh record."""
+def _with_ep(mesh: MeshPlan, ep: int) -> MeshPlan:
+    """The record with its expert-parallel view: ``ep`` ranks borrowed from dp_shard x tp."""
+    if ep == 1:
+        return mesh
+    if mesh.world_size == 1:
+        raise ConfigError(
+            f"PrepConfig.ep={ep} needs {ep} processes (or a multiple), but this is one "
+            "process: the script was started with plain python, not through a launcher.",
+            subject="ep",
+            hint=f"Launch it with torchrun, one process per device: torchrun --nproc-per-node "
+            f"{ep} train.py (or a multiple of {ep}).",
+        )
+    borrowed = mesh.dp_shard * mesh.tp
+    if borrowed % ep:
+        sizes = f"dp_shard x tp = {mesh.dp_shard} x {mesh.tp}"
+        raise ConfigError(
+            f"PrepConfig.ep={ep} does not divide the {borrowed} ranks it borrows from "
+            f"({sizes}, the mesh {mesh.describe()} over {mesh.world_size} processes): each "
+            "expert-parallel group is a run of ranks that shard the same data-parallel replica.",
+            subject="ep",
+            hint=f"Choose ep among the divisors of {borrowed} "
+            f"({', '.join(str(d) for d in range(1, borrowed + 1) if borrowed % d == 0)}).",
+        )
+    return dataclasses.replace(mesh, ep=ep)
+
+
+def _state_of(mesh: MeshPlan, ep: int = 1) -> ProcessGroupState:
+    """The process-group state read from the mesh record (with its ep view)."""
+    mesh = _with_ep(mesh, ep)
     pre, post = gradient_divide_factors(mesh.dp_size)
     return ProcessGroupState(
         mesh=mesh, gradient_predivide_factor=pre, gradient_postdivide_factor=post
@@ -194,6 +227,15 @@ def init_process_group(state: PrepState) -> PrepState:
     group, mesh = state.inputs.process_group, state.inputs.mesh
     world, rank = topo.world_size, topo.rank
     hybrid = cfg.strategy == "hsdp"
+    if cfg.ep > 1:
+        refuse_not_composed(cfg)
+        if group is not None or mesh is not None:
+            raise ConfigError(
+                f"PrepConfig.ep={cfg.ep}: fprep builds the expert-parallel groups itself; a "
+                "mesh or process group was also given.",
+                subject="ep",
+                hint="Pass neither (fprep borrows the ep ranks from the world), or set ep=1.",
+            )
     if group is not None and mesh is not None:
         raise TopologyError(
             "both a process group and a device mesh were given.",
@@ -208,10 +250,10 @@ def init_process_group(state: PrepState) -> PrepState:
             hint="Launch the same number of processes on every node.",
         )
     if cfg.tp > 1 or cfg.pp > 1:
-        return state.replace(process_group=_state_of(_beside_model_parallel(state)))
+        return state.replace(process_group=_state_of(_beside_model_parallel(state), cfg.ep))
     if mesh is not None:
         layout = _from_mesh(mesh, rank, world, cfg.strategy, cfg.hsdp_shard_size)
-        return state.replace(process_group=_state_of(layout))
+        return state.replace(process_group=_state_of(layout, cfg.ep))
     if group is not None:
         if hybrid:
             raise TopologyError(
@@ -236,7 +278,7 @@ def init_process_group(state: PrepState) -> PrepState:
                 "with ranks[group rank] == this rank.",
             )
         layout = MeshPlan(world_size=world, rank=rank, dp_shard=group.size, ranks=ranks)
-        return state.replace(process_group=_state_of(layout))
+        return state.replace(process_group=_state_of(layout, cfg.ep))
     if hybrid:
         shard = cfg.hsdp_shard_size or topo.local_world_size
         if world % shard != 0:
@@ -256,4 +298,4 @@ def init_process_group(state: PrepState) -> PrepState:
         )
     else:
         layout = MeshPlan(world_size=world, rank=rank, dp_shard=world)
-    return state.replace(process_group=_state_of(layout))
+    return state.replace(process_group=_state_of(layout, cfg.ep))
