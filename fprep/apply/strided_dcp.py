@@ -44,8 +44,7 @@ def contiguous_placements(
         later = math.prod(
             mesh.size(j)
             for j in range(i + 1, len(placements))
-            if isinstance(placements[j], Shard | _StridedShard)
-            and placements[j].dim == p.dim  # type: ignore[union-attr]
+            if isinstance(placements[j], Shard | _StridedShard) and placements[j].dim == p.dim  # type: ignore[union-attr]
         )
         if later != int(p.split_factor):
             out[i] = Shard(p.dim)

@@ -14,7 +14,9 @@ The behaviours are transformers' style names (``transformers.distributed.tensor_
 - ``local_params``: the forward runs on its parameters' local blocks (attention sinks).
 - ``replicated_with_grad_allreduce``: a replicated weight used on this rank's heads only
   (Qwen3's per-head ``q_norm`` / ``k_norm``); its gradient is summed over the tp ranks.
-- ``all_reduce``: the forward's output is partial on each rank; it is summed.
+- ``all_reduce``: the forward computes, from whole (replicated) inputs, a partial output on
+  its parameters' local blocks (Inkling's shared experts): the output is summed, and so are
+  the floating-point inputs' gradients.
 - ``mla_kv_a_proj``: multi-head latent attention's ``kv_a_proj_with_mqa``; the rope part of its
   output skips the colwise ``kv_b_proj`` and meets this rank's heads only, so its gradient is
   summed over the tp ranks (the width of that part, ``qk_rope_head_dim``, is given).
@@ -176,7 +178,7 @@ def _install(module: nn.Module, style: ModuleStyle, mesh: DeviceMesh) -> None:
     swapped: list[dict[str, nn.Parameter]] = []  # a stack: a forward may be re-entered
 
     def before(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if behaviour == "moe_tp_experts":
+        if behaviour in ("moe_tp_experts", "all_reduce"):
             args = tuple(_grad_summed(a, mesh) for a in args)
             kwargs = {k: _grad_summed(v, mesh) for k, v in kwargs.items()}
         elif behaviour == "moe_identity_expert" and args:
@@ -222,8 +224,8 @@ def _use_local_views(module: nn.Module, mesh: DeviceMesh, behaviour: str) -> dic
 
 
 def _grad_summed(value: Any, mesh: DeviceMesh) -> Any:
-    """A floating-point tensor input to the experts, its gradient summed over tp (each rank
-    only back-propagates through its block of every expert); other values unchanged."""
+    """A floating-point tensor input, its gradient summed over tp (each rank back-propagates
+    through its own block of the weights only); other values unchanged."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return sum_grad_over(value, mesh)
     return value
