@@ -243,8 +243,8 @@ def tp_run(names: tuple[str, ...], tp: int = 2) -> dict[str, Any]:
             if isinstance(style, ModuleStyle)
             for pname, p in model.get_submodule(owner).named_parameters(recurse=False)
         }
-        planned = {
-            f"{owner}.{pname}": repr((pl,))
+        planned = {  # the placement, and the dim it splits (None: whole on every rank)
+            f"{owner}.{pname}": (repr((pl,)), getattr(pl, "dim", None))
             for owner, style in styles.items()
             if isinstance(style, ModuleStyle)
             for pname, pl in style.params.items()

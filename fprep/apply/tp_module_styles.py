@@ -133,7 +133,7 @@ class ModuleStyle(ParallelStyle):
                 hint="Pass the tp sub-mesh (mesh['tp']) to parallelize_module.",
             )
         tp = device_mesh.size()
-        for name, placement in self.params.items():
+        for name, placement in self.params.items():  # every check before any change
             param = module._parameters.get(name)
             if param is None:
                 owned = ", ".join(n for n, _ in module.named_parameters(recurse=False))
@@ -144,6 +144,9 @@ class ModuleStyle(ParallelStyle):
                     hint="Name the module's direct parameters in the plan.",
                 )
             _check_divisible(module, name, param, placement, tp)
+        for name, placement in self.params.items():
+            param = module._parameters[name]
+            assert param is not None
             dist = distribute_tensor(
                 param.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank
             )
