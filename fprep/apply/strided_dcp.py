@@ -37,16 +37,13 @@ def contiguous_placements(
     A ``_StridedShard(d, split_factor=s)`` on mesh dim ``i`` gives contiguous blocks when the
     mesh dims after ``i`` shard dim ``d`` into exactly ``s`` parts (FSDP2's dp-over-tp case).
     """
+    dims = [q.dim if isinstance(q, Shard | _StridedShard) else None for q in placements]
     out = list(placements)
     for i, p in enumerate(placements):
         if not isinstance(p, _StridedShard) or int(p.split_factor) == 1:
             continue
-        later = math.prod(
-            mesh.size(j)
-            for j in range(i + 1, len(placements))
-            if isinstance(placements[j], Shard | _StridedShard) and placements[j].dim == p.dim  # type: ignore[union-attr]
-        )
-        if later != int(p.split_factor):
+        sizes = [int(mesh.size(j)) for j in range(i + 1, len(placements)) if dims[j] == p.dim]
+        if math.prod(sizes) != int(p.split_factor):
             out[i] = Shard(p.dim)
     return tuple(out) if out != list(placements) else None
 
@@ -59,7 +56,8 @@ def dcp_blocks(state: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, DTensor):
             target = contiguous_placements(value.placements, value.device_mesh)
             if target is not None:
-                out[key] = value.detach().redistribute(value.device_mesh, target)
+                moved: DTensor = value.redistribute(value.device_mesh, target)
+                out[key] = moved.detach()
     return out
 
 
