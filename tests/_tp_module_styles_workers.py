@@ -219,21 +219,42 @@ def _tp_mesh(tp: int) -> Any:
     return init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
 
 
+#: suffix of a tp_run name whose decoder layers run under activation checkpointing
+RECOMPUTE = "+recompute"
+
+
+def _recompute_layers(model: nn.Module) -> None:
+    """Each decoder layer recomputed in backward (torch's non-reentrant checkpoint): the
+    styles' hooks run again there, on the same DTensor parameters."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers  # type: ignore[union-attr]
+    for i, layer in enumerate(layers):  # type: ignore[arg-type]
+        layers[i] = checkpoint_wrapper(layer)  # type: ignore[index]
+
+
 def tp_run(names: tuple[str, ...], tp: int = 2) -> dict[str, Any]:
-    """Each model under its own plan at tp ``tp``: loss, gradients (whole), and each planned
-    module style's parameters' (placements, local shapes) as this rank sees them."""
+    """Each model under its own plan at tp ``tp`` (a name ending in ``RECOMPUTE``: with its
+    layers checkpointed): loss, gradients (whole), and each planned module style's
+    parameters' (placements, local shapes) as this rank sees them."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     mesh = _tp_mesh(tp)
     out: dict[str, Any] = {}
     for name in names:
-        model = build(name)
+        model = build(name.removesuffix(RECOMPUTE))
         styles = tp_styles(model)
         parallelize_module(model, mesh, styles)  # type: ignore[arg-type]
+        if name.endswith(RECOMPUTE):
+            _recompute_layers(model)
         loss = loss_of(model, batch())
         loss.backward()
-        grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        grads = {  # by the names of the model without checkpoint wrappers
+            n.replace("._checkpoint_wrapped_module", ""): _full(p.grad)
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
         layout = {
             f"{owner}.{pname}": (
                 repr(tuple(p.placements)) if isinstance(p, DTensor) else "plain",

@@ -22,6 +22,10 @@ from fprep.testing.distributed import fake_world, run_ranks
 
 TOL = 1e-5
 NAMES = tuple(W.MODELS)
+#: models also run with their decoder layers checkpointed. DeepSeek-V2, LongCat-Flash and
+#: MiMo-V2-Flash are not: under torch's checkpoint_wrapper they fail in one process already
+#: (recomputed tensors of other shapes; a mask of the wrong size)
+RECOMPUTED = tuple(f"{n}{W.RECOMPUTE}" for n in ("qwen3_moe", "aria", "inkling"))
 
 
 def close(got: Any, want: torch.Tensor, what: str) -> None:
@@ -32,12 +36,12 @@ def close(got: Any, want: torch.Tensor, what: str) -> None:
 @pytest.fixture(scope="module")
 def tp2() -> list[dict[str, Any]]:
     """Every model at tp 2, in one launch of 2 ranks."""
-    return run_ranks(W.tp_run, 2, NAMES, timeout_s=600)
+    return run_ranks(W.tp_run, 2, NAMES + RECOMPUTED, timeout_s=600)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + RECOMPUTED)
 def test_tp2_equals_one_process(tp2: list[dict[str, Any]], name: str) -> None:
-    want = W.reference(name)
+    want = W.reference(name.removesuffix(W.RECOMPUTE))
     for rank, out in enumerate(tp2):
         got = out[name]
         close(got["loss"], torch.tensor(want["loss"]), f"rank {rank} loss")
