@@ -98,6 +98,11 @@ MODELS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         tf.AriaTextForCausalLM,
         dict(head_dim=8, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, pad_token_id=0),
     ),
+    "phi3": (  # a fused gate_up_proj Linear: packed_colwise on a module (REPLACED)
+        tf.Phi3Config,
+        tf.Phi3ForCausalLM,
+        dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    ),
     "inkling": (  # all_reduce shared experts
         tf.InklingTextConfig,
         tf.InklingForCausalLM,
@@ -130,6 +135,8 @@ LEFT_OUT: dict[str, tuple[str, ...]] = {
 #: 'colwise' one rank holds gate rows only (its loss differs from one process by 3e-6 here)
 REPLACED: dict[str, dict[str, str]] = {
     "InklingForCausalLM": {"mlp.experts.gate_up_proj": "packed_colwise"},
+    # Phi3's own plan gathers the fused gate_up output: here it stays this rank's halves
+    "Phi3ForCausalLM": {"mlp.gate_up_proj": "packed_colwise", "mlp.down_proj": "rowwise"},
 }
 
 
@@ -164,16 +171,26 @@ def placement_of(style: str, param: str, ndim: int) -> Placement:
     return Replicate()  # a behaviour's own parameters are whole on every rank
 
 
+#: the styles torch's own classes apply (``torch_style``)
+TORCH_STYLES = frozenset(
+    n
+    for n, s in STYLES.items()
+    if s.kind in ("colwise", "rowwise", "sequence", "gather", "scatter")
+)
+
+
 def tp_styles(model: nn.Module) -> dict[str, ParallelStyle]:
     """The model's own tp plan, expanded as transformers does, as one style per module."""
     expanded: dict[str, str] = model._expand_parallel_plan(model.tp_plan)  # type: ignore[operator]
     for fqn in LEFT_OUT.get(type(model).__name__, ()):
         expanded.pop(fqn)
     for suffix, style in REPLACED.get(type(model).__name__, {}).items():
-        expanded.update({fqn: style for fqn in expanded if fqn.endswith(suffix)})
+        for fqn in expanded:  # the rule and those of the module's own parameters
+            if fqn.endswith(suffix) or fqn.rpartition(".")[0].endswith(suffix):
+                expanded[fqn] = style
     modules = dict(model.named_modules())
     torch_styled = [  # a list: every rank must apply the styles in the same order
-        n for n, s in expanded.items() if n in modules and s in STYLES and s != "replicate"
+        n for n, s in expanded.items() if n in modules and s in STYLES and s in TORCH_STYLES
     ]
     params: dict[str, dict[str, Placement]] = {}
     behaviours: dict[str, str] = {}

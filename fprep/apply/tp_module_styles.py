@@ -11,6 +11,9 @@ DTensors between forwards, so FSDP2 (``fully_shard`` over the data-parallel dims
 The behaviours are transformers' style names (``transformers.distributed.tensor_parallel``):
 
 - ``none``: the parameters are placed; the forward is left alone.
+- ``packed_colwise``: a Linear whose output packs two halves (gate | up), its weight
+  ``_StridedShard(0, split_factor=2)``: it runs on its local block, from the whole input
+  (whose gradient is summed over tp), and gives this rank's block of each half.
 - ``local_params``: the forward runs on its parameters' local blocks (attention sinks).
 - ``replicated_with_grad_allreduce``: a replicated weight used on this rank's heads only
   (Qwen3's per-head ``q_norm`` / ``k_norm``); its gradient is summed over the tp ranks.
@@ -47,6 +50,7 @@ from fprep.errors import ConfigError, ModelError
 
 Behaviour = Literal[
     "none",
+    "packed_colwise",
     "local_params",
     "replicated_with_grad_allreduce",
     "all_reduce",
@@ -59,6 +63,7 @@ BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
 #: behaviours whose forward runs on the local blocks of the module's DTensor parameters
 _LOCAL_FORWARD = frozenset(
     {
+        "packed_colwise",
         "local_params",
         "replicated_with_grad_allreduce",
         "all_reduce",
@@ -181,7 +186,7 @@ def _install(module: nn.Module, style: ModuleStyle, mesh: DeviceMesh) -> None:
     swapped: list[dict[str, nn.Parameter]] = []  # a stack: a forward may be re-entered
 
     def before(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if behaviour in ("moe_tp_experts", "all_reduce"):
+        if behaviour in ("moe_tp_experts", "all_reduce", "packed_colwise"):
             args = tuple(_grad_summed(a, mesh) for a in args)
             kwargs = {k: _grad_summed(v, mesh) for k, v in kwargs.items()}
         elif behaviour == "moe_identity_expert" and args:
