@@ -28,6 +28,7 @@ from fprep.errors import (
 )
 from fprep.loop import accumulate, autocast, clip_grad_norm, gather_for_metrics, optimizer_step
 from fprep.memory import MemoryEstimate, estimate_memory
+from fprep.moe import RouterWatch, balance_loss, watch_routers
 from fprep.parallel_loop import check_tp_inputs, loss_parallel
 from fprep.pipeline_loop import pipeline_step
 from fprep.planning import DEFAULT_TRANSITIONS, chain, initial_state, plan
@@ -133,6 +134,7 @@ __all__ = [
     "PrepState",
     "PrepareError",
     "PreparedDataLoader",
+    "RouterWatch",
     "ShardSpec",
     "Step",
     "Topology",
@@ -143,6 +145,7 @@ __all__ = [
     "all_reduce_gradients",
     "autocast",
     "backward",
+    "balance_loss",
     "chain",
     "check_tp_inputs",
     "clip_grad_norm",
@@ -188,4 +191,5 @@ __all__ = [
     "transition",
     "unwrap",
     "wait_for_everyone",
+    "watch_routers",
 ]

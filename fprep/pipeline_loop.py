@@ -19,6 +19,7 @@ Without pipeline parallelism it is the plain step (``loss_fn(model(inputs), targ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from fprep.apply.steps import handles_of
 from fprep.collectives import collective
 from fprep.compat import pipeline_schedule_class
 from fprep.errors import ConfigError, PrepareError
+from fprep.moe import RouterWatch, check_no_model_aux, existing_watch, watch_routers
 from fprep.state import PrepState
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,6 +99,8 @@ def pipeline_step(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     loss_fn: LossFn,
+    *,
+    aux_loss_coef: float | None = None,
 ) -> torch.Tensor | None:
     """Run one pipelined forward and backward over the batch; call it on every rank.
 
@@ -106,9 +110,15 @@ def pipeline_step(
     runs on the last stage for each micro-batch and should return that micro-batch's mean loss.
     Without pipeline parallelism: the forward, ``loss_fn`` and ``fprep.backward`` on the whole
     batch, returning its loss on every rank.
+
+    ``aux_loss_coef=c`` trains a mixture-of-experts model's load balance too: ``c`` times its
+    routers' load-balancing loss (``fprep.watch_routers``) joins the backward, added to the loss
+    without pipeline parallelism, and with it to each stage's own backward, per micro-batch
+    (divided by their number as the loss is). The returned loss is ``loss_fn``'s alone.
     """
+    watch = _router_watch(state, model, aux_loss_coef)
     if state.config.pp == 1:
-        return _plain_step(state, model, inputs, targets, loss_fn)
+        return _plain_step(state, model, inputs, targets, loss_fn, watch, aux_loss_coef)
     plan = pipeline_plan(state, "fprep.pipeline_step")
     handles = handles_of(state)
     if not handles.stage_modules:
@@ -144,6 +154,8 @@ def pipeline_step(
         )
     schedule = _schedule(state, loss_fn)
     handles.schedules[_SHAPE_KEY] = (shape, target_shape)
+    if watch is not None:
+        watch.stage_scale = aux_loss_coef / plan.microbatches if aux_loss_coef else None
     args = (inputs.to(handles.device),) if plan.holds_first else ()
     kwargs: dict[str, Any] = {}
     losses: list[torch.Tensor] = []
@@ -157,12 +169,38 @@ def pipeline_step(
     return torch.stack([loss.detach() for loss in losses]).sum()
 
 
+def _router_watch(
+    state: PrepState, model: nn.Module, aux_loss_coef: float | None
+) -> RouterWatch | None:
+    """The model's router watch when the step trains the auxiliary loss (or a watch exists);
+    under pp a refusal, on every rank, of a model that computes its own auxiliary loss."""
+    if aux_loss_coef is not None and (
+        isinstance(aux_loss_coef, bool)
+        or not isinstance(aux_loss_coef, int | float)
+        or not math.isfinite(aux_loss_coef)
+        or aux_loss_coef < 0
+    ):
+        raise ConfigError(
+            f"aux_loss_coef must be a finite number >= 0; got {aux_loss_coef!r}.",
+            subject="aux_loss_coef",
+            hint="Pass the load-balancing loss's weight, e.g. config.router_aux_loss_coef "
+            "(0.001 for Qwen3-MoE, 0.02 for Mixtral), or leave it out.",
+        )
+    if state.config.pp > 1:
+        check_no_model_aux(model)
+    if aux_loss_coef is None:
+        return existing_watch(model)
+    return watch_routers(state, model)
+
+
 def _plain_step(
     state: PrepState,
     model: nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     loss_fn: LossFn,
+    watch: RouterWatch | None,
+    aux_loss_coef: float | None,
 ) -> torch.Tensor:
     from fprep.prepare import backward
 
@@ -170,5 +208,8 @@ def _plain_step(
     if not isinstance(out, torch.Tensor):  # a transformers ModelOutput: its logits
         out = out.logits if hasattr(out, "logits") else out[0]
     loss = loss_fn(out, targets)
-    backward(state, model, loss)
+    total = loss
+    if watch is not None and aux_loss_coef:
+        total = loss + aux_loss_coef * watch.aux_loss()
+    backward(state, model, total)
     return loss.detach()

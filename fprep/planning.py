@@ -30,6 +30,7 @@ from fprep.transitions import (
     init_runtime,
     init_state_dict,
 )
+from fprep.weights.hf_conversions import with_conversions
 from fprep.weights.source import snapshot as weights_snapshot
 
 #: The default planning pipeline, in the order each transition's inputs become available.
@@ -44,7 +45,6 @@ DEFAULT_TRANSITIONS: tuple[Transition, ...] = (
     init_extension,
     init_state_dict,
     init_param_handles,
-    init_pipeline,
     init_prefetching,
 )
 
@@ -132,6 +132,10 @@ def initial_state(
             hint="Build one with fprep.Topology(world_size=..., rank=...), or leave it out to "
             "read the launcher's environment (Topology.from_env()).",
         )
+    weights = None if cfg.weights is None else weights_snapshot(os.fspath(cfg.weights))
+    if weights is not None and not isinstance(model_or_tree, ModuleTree):
+        # the checkpoint's names as transformers maps them onto this model (its MoE experts)
+        weights = with_conversions(weights, model_or_tree, tree)
     return PrepState.initial(
         tree,
         cfg,
@@ -140,7 +144,7 @@ def initial_state(
         mesh=None if mesh is None else mesh_spec(mesh),
         # Headers only (the I/O of planning, like reading a mesh): checked against the model
         # by init_state_dict, read by the load_weights step.
-        weights=None if cfg.weights is None else weights_snapshot(os.fspath(cfg.weights)),
+        weights=weights,
     )
 
 

@@ -62,6 +62,9 @@ class TPLayout:
     dp_dims: tuple[str, ...]
     hybrid: bool
     params: Mapping[str, int | None] = field(default_factory=dict)  # fqn -> tp shard dim
+    #: fqn -> split factor of a packed parameter (``StridedShard`` on its tp dim: each of its
+    #: halves cut on its own; the local block has the same shape as a plain shard's)
+    strided: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, tps: TensorParallelState, pg: ProcessGroupState, *, hybrid: bool) -> TPLayout:
@@ -71,6 +74,9 @@ class TPLayout:
             dp_dims=pg.mesh_dim_names,
             hybrid=hybrid,
             params=dict(tps.params),
+            strided={
+                fqn: pl.split_factor for fqn, pl in tps.placements if isinstance(pl, StridedShard)
+            },
         )
 
     def place(
@@ -98,5 +104,10 @@ class TPLayout:
             local, padded = shard_shape(local, *shard)
         if in_tp:
             dims.append("tp")
-            placements.append(Replicate() if dim is None else Shard(dim))
+            if dim is None:
+                placements.append(Replicate())
+            elif p.fqn in self.strided:
+                placements.append(StridedShard(dim, self.strided[p.fqn]))
+            else:
+                placements.append(Shard(dim))
         return local, padded, tuple(dims), tuple(placements), block

@@ -8,6 +8,7 @@ a single ``nn.Module`` (see ``fprep.testing.strategies``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -250,13 +251,18 @@ class ModuleTree:
     hf_device_map: tuple[tuple[str, str], ...] | None = None
     quantization: Literal["8bit", "4bit"] | None = None
     prepared: bool = False
-    #: The model's own tensor-parallel plan (transformers' ``base_model_tp_plan`` under
-    #: ``base_model_prefix`` plus the class's ``_tp_plan``; any model's ``_tp_plan``), as
-    #: ``(module pattern, style)`` pairs from the root; None when it has none.
+    #: The model's own tensor-parallel plan (a transformers model's, as transformers resolves
+    #: it: its ``base_model_tp_plan``, its sub-models' and its class's ``_tp_plan``, each under
+    #: its module; any other model's ``_tp_plan``), as ``(module or parameter pattern, style)``
+    #: pairs from the root; None when it has none.
     tp_plan: tuple[tuple[str, str], ...] | None = None
     #: Head counts tensor parallelism must divide (``num_attention_heads``,
-    #: ``num_key_value_heads``, ``n_heads``, ``n_kv_heads`` of ``model.config``).
+    #: ``num_key_value_heads``, ``n_heads``, ``n_kv_heads`` of ``model.config`` or its text
+    #: config); a field that varies by layer appears once per distinct value.
     head_counts: tuple[tuple[str, int], ...] = ()
+    #: Other sizes of ``model.config`` a tp style needs (``qk_rope_head_dim``: the rope part
+    #: ``mla_kv_a_proj`` splits off).
+    model_dims: tuple[tuple[str, int], ...] = ()
     #: The model's own pipeline plan: the modules its forward runs one after another, in that
     #: order, from the root (transformers' ``base_model_pp_plan`` under ``base_model_prefix``
     #: plus the class's ``_pp_plan``; any model's ``_pp_plan``). A model that has one declares
@@ -437,6 +443,7 @@ class ModuleTree:
             prepared=bool(getattr(model, PREPARED_ATTR, False)),
             tp_plan=own_tp_plan(model),
             head_counts=head_counts(model),
+            model_dims=_config_ints(model, _DIM_FIELDS),
             pp_plan=own_pp_plan(model),
         )
 
@@ -453,6 +460,11 @@ def own_tp_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
         at, base_model = inner
         own = own_tp_plan(base_model)
         return tuple((f"{at}.{k}", v) for k, v in own) if own is not None else None
+    resolved = vars(model).get("_tp_plan")
+    if callable(getattr(model, "init_parallel_plans", None)) and isinstance(resolved, Mapping):
+        # transformers merged its plans at post_init (sub-models' under their modules, and
+        # 'embed_tokens': 'embedding_rowwise' beside a plan that names no embedding)
+        return tuple(sorted((str(k), str(v)) for k, v in resolved.items())) or None
     plan: dict[str, str] = {}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
@@ -501,11 +513,30 @@ def _peft_base(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+_DIM_FIELDS = ("qk_rope_head_dim",)
+
+
 def head_counts(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    return _config_ints(model, _HEAD_FIELDS)
+
+
+def _config_ints(model: nn.Module, fields: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """``(field, value)`` for each integer field of the model's (text) config; a field that
+    varies by layer (transformers' per-layer configs refuse the global read) once per distinct
+    value of its layers."""
     config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        with contextlib.suppress(Exception):  # several text configs: read the top level
+            config = text()
     out: list[tuple[str, int]] = []
-    for name in _HEAD_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            out.append((name, value))
+    for name in fields:
+        try:
+            values = [getattr(config, name, None)]
+        except Exception:  # AmbiguousGlobalPerLayerAttributeError: read each layer's
+            layers = getattr(config, "per_layer_config", None) or ()
+            values = [getattr(layer, name, None) for layer in layers]
+        for value in dict.fromkeys(values):
+            if isinstance(value, int) and not isinstance(value, bool):
+                out.append((name, value))
     return tuple(out)

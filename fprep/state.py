@@ -315,6 +315,15 @@ class TensorParallelState:
     loss_parallel: bool = False  # the output stays vocabulary-sharded (fprep.loss_parallel)
     notes: tuple[str, ...] = ()
     float8: tuple[tuple[str, str], ...] = ()
+    #: every tp parameter's layout over the tp ranks (``params`` gives just its dim):
+    #: ``Shard(d)``, ``StridedShard(d, 2)`` (packed halves, each cut on its own) or
+    #: ``Replicate()`` (a DTensor kept whole on every tp rank)
+    placements: tuple[tuple[str, Placement], ...] = ()
+    #: the rules that name a parameter rather than a module ``(parameter FQN, style)``
+    param_rules: tuple[tuple[str, str], ...] = ()
+    #: the rope part of a multi-head latent attention kv_a projection (``qk_rope_head_dim``),
+    #: which ``mla_kv_a_proj`` splits off
+    rope_dim: int | None = None
 
     @property
     def size(self) -> int:

@@ -2,9 +2,15 @@
 
 The names are transformers' (``config.base_model_tp_plan``, a model class's ``_tp_plan``), so a
 transformers model's own plan is used as it is; a user plan (``PrepConfig.tp_plan``) speaks the
-same words. Each supported style maps to one of torch's ``ParallelStyle`` classes
-(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``) with its input / output
-layouts; packed and mixture-of-experts styles are refused by name. ``colwise_loss_parallel``
+same words. A rule names a module or a parameter (``layers.*.mlp.experts.gate_up_proj``, a 3-D
+tensor of fused experts); a module's rule also covers its own parameters that have no rule of
+their own, as in transformers. The Linear / Embedding styles map to torch's ``ParallelStyle``
+classes (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``) with their input /
+output layouts; the others (packed gate/up halves, replicated weights whose gradients are summed,
+mixture-of-experts experts, multi-head latent attention, local parameters, all-reduced outputs)
+are a placement per parameter (``param_placement``) plus a module behaviour that fprep installs
+with DTensor (``fprep.apply.tp_module_styles``). The expert-parallel styles are refused by name
+until ``ep`` exists. ``colwise_loss_parallel``
 is fprep's own: a column-sharded output head whose logits stay a vocabulary-sharded DTensor for
 ``fprep.loss_parallel``. Sequence parallelism (``PrepConfig.sequence_parallel``) adds the
 ``*_sequence`` variants (the residual stream around them is sharded on the sequence, dim 1:
@@ -20,8 +26,37 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from fprep.errors import ConfigError
+from fprep.layout.placements import Placement, Replicate, Shard, StridedShard
 
-Kind = Literal["colwise", "rowwise", "replicate", "sequence", "gather", "scatter"]
+Kind = Literal[
+    "colwise",
+    "rowwise",
+    "replicate",
+    "sequence",
+    "gather",
+    "scatter",
+    # transformers' styles beyond torch's classes: the apply installs a module behaviour
+    "packed_colwise",  # fused (gate | up) output halves, each sharded on its own
+    "packed_rowwise",  # fused halves along the input dim
+    "grad_sum",  # replicated weight whose gradient is summed over tp (q / k norms)
+    "local",  # the module runs on its parameters' local shards (attention sinks)
+    "all_reduce",  # the module's output is partial: summed over tp
+    "mla_kv_a",  # DeepSeek's kv_a projection: the rope part's gradient summed over tp
+    "moe_experts",  # every expert sharded; inputs' gradients and the output summed over tp
+    "moe_identity",  # an identity expert beside sharded ones: input divided by tp
+]
+
+#: kinds whose forward fprep installs itself (a module behaviour; ``packed_colwise`` only on a
+#: module, where it runs the Linear on its local halves)
+BEHAVIOURS: frozenset[Kind] = frozenset(
+    {"packed_colwise", "grad_sum", "local", "all_reduce", "mla_kv_a", "moe_experts", "moe_identity"}
+)
+#: behaviours under which a module's forward sees its parameters' local shards, so a parameter
+#: a rule of its own shards can live there
+#: (``all_reduce``: a module computing a partial sum from its parameters' shards, then summed)
+RUNS_LOCAL: frozenset[Kind] = frozenset(
+    {"packed_colwise", "local", "moe_experts", "grad_sum", "all_reduce"}
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +76,12 @@ class Style:
     @property
     def shards_params(self) -> bool:
         """Whether the module's parameters become tp DTensors (sharded or replicated)."""
-        return self.kind in ("colwise", "rowwise", "sequence")
+        return self.kind in ("colwise", "rowwise", "sequence", "packed_colwise", "grad_sum")
+
+    @property
+    def is_behaviour(self) -> bool:
+        """Whether the apply installs this style's forward itself (not a torch class)."""
+        return self.kind in BEHAVIOURS
 
 
 def _sequence_variant(style: Style) -> Style:
@@ -80,6 +120,14 @@ STYLES: dict[str, Style] = {
         Style(name="sequence_parallel", kind="sequence"),
         Style(name="sequence_gather", kind="gather"),
         Style(name="sequence_scatter", kind="scatter"),
+        Style(name="packed_colwise", kind="packed_colwise"),
+        Style(name="packed_rowwise", kind="packed_rowwise"),
+        Style(name="replicated_with_grad_allreduce", kind="grad_sum"),
+        Style(name="local_params", kind="local"),
+        Style(name="all_reduce", kind="all_reduce"),
+        Style(name="mla_kv_a_proj", kind="mla_kv_a"),
+        Style(name="moe_tp_experts", kind="moe_experts"),
+        Style(name="moe_identity_expert", kind="moe_identity"),
     )
 }
 STYLES.update(
@@ -92,16 +140,9 @@ SEQUENCE_ONLY = frozenset(
 
 #: transformers styles fprep does not apply (yet), with the reason given to the user.
 REFUSED: dict[str, str] = {
-    "packed_colwise": "packed (fused gate/up or qkv) weights",
-    "packed_rowwise": "packed (fused) weights",
-    "moe_tp_experts": "mixture-of-experts weights",
-    "moe_identity_expert": "mixture-of-experts weights",
-    "grouped_gemm": "expert parallelism",
-    "ep_dispatch_experts": "expert parallelism",
-    "mla_kv_a_proj": "multi-head latent attention projections",
-    "local_params": "local (non-DTensor) parameters",
-    "all_reduce": "all-reduce output hooks",
-    "replicated_with_grad_allreduce": "replicated weights with gradient all-reduce hooks",
+    "grouped_gemm": "an expert-parallel style, which belongs in an expert-parallel plan",
+    "ep_dispatch_experts": "an expert-parallel style, which belongs in an expert-parallel plan",
+    "ep_router": "an expert-parallel router style transformers itself has removed",
 }
 
 #: Module classes (bare names, matched against the MRO) that colwise / rowwise can shard.
@@ -130,6 +171,40 @@ def check_style(pattern: str, style: object) -> Style:
 def pattern_regex(pattern: str) -> re.Pattern[str]:
     """``*`` matches one dotted segment (a layer number, or any name)."""
     return re.compile(r"\.".join("[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
+
+
+def param_placement(kind: Kind, ndim: int, param_name: str, *, own_rule: bool) -> Placement | None:
+    """How a style lays out one parameter over the tp ranks, as transformers' styles do;
+    None: the parameter stays a plain tensor (replicated, untouched by tensor parallelism).
+
+    ``own_rule``: the rule names the parameter itself (a 3-D experts tensor, an attention sink),
+    so its own shape decides: colwise cuts the output rows (dim ``ndim - 2``), rowwise the input
+    columns (the last dim), the packed styles the same dims in two halves each cut on its own
+    (``StridedShard(dim, 2)``). Otherwise the rule names the parameter's module, a Linear
+    (``weight`` of shape (out, in), ``bias`` (out,)) for the packed styles; the colwise /
+    rowwise Linear / Embedding layouts are ``tp_dim``'s.
+    """
+    last = max(ndim - 1, 0)
+    rows = max(ndim - 2, 0)
+    if own_rule:
+        if kind == "colwise":
+            return Shard(rows)
+        if kind == "rowwise":  # a bias is added once, after the sum
+            return Replicate() if param_name == "bias" else Shard(last)
+        if kind == "packed_colwise":
+            return StridedShard(rows, 2) if ndim >= 2 else Shard(0)
+        if kind == "packed_rowwise":
+            return StridedShard(last, 2) if ndim >= 2 else Replicate()
+        if kind == "grad_sum":
+            return Replicate()
+        return None
+    if kind == "packed_colwise":
+        return StridedShard(0, 2) if param_name == "weight" else Shard(0)
+    if kind == "packed_rowwise":
+        return StridedShard(1, 2) if param_name == "weight" else Replicate()
+    if kind == "grad_sum":
+        return Replicate()
+    return None
 
 
 def tp_dim(kind: Kind, module_is_embedding: bool, param_name: str) -> int | None:

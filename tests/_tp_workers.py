@@ -31,7 +31,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp4": {"strategy": "auto", "tp": 4},
     "hsdp2x1_tp2": {"strategy": "hsdp", "tp": 2, "hsdp_shard_size": 1},
 }
-MODELS = ("fprep_llama", "hf_llama", "hf_qwen2")
+MODELS = ("fprep_llama", "hf_llama", "hf_qwen2", "hf_qwen2_tied")
 
 
 def build(name: str, seed: int = SEED) -> nn.Module:
@@ -59,6 +59,8 @@ def build(name: str, seed: int = SEED) -> nn.Module:
     )
     if name == "hf_llama":
         return LlamaForCausalLM(HFLlamaConfig(**shape))
+    if name == "hf_qwen2_tied":  # Qwen2.5 0.5B-3B tie their embeddings
+        return Qwen2ForCausalLM(Qwen2Config(**{**shape, "tie_word_embeddings": True}))
     return Qwen2ForCausalLM(Qwen2Config(**shape))
 
 

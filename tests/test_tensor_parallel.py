@@ -4,7 +4,7 @@ DTensors (fake groups for large worlds), and training equal to one process (4 gl
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import _tp_workers as W
 import pytest
@@ -19,7 +19,7 @@ from fprep.apply.placements import to_torch
 from fprep.layout.placements import Replicate, Shard, StridedShard
 from fprep.state import PrepState
 from fprep.testing.distributed import fake_world, run_ranks
-from fprep.testing.models import LlamaConfig, llama, llama_tiny, tiny_gpt
+from fprep.testing.models import Llama, LlamaConfig, llama, llama_tiny, tiny_gpt
 
 
 def plan(model: Any, cfg: PrepConfig, world: int, rank: int = 0, local: int = 8) -> PrepState:
@@ -92,8 +92,8 @@ def test_config_round_trip_and_styles() -> None:
     cfg = PrepConfig(tp=2, tp_plan={"b": "rowwise", "a": "colwise"})
     assert cfg.tp_plan_pairs == (("a", "colwise"), ("b", "rowwise"))
     assert PrepConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ConfigError, match="packed") as info:
-        PrepConfig(tp=2, tp_plan={"mlp.gate_up": "packed_colwise"})
+    with pytest.raises(ConfigError, match="expert-parallel") as info:
+        PrepConfig(tp=2, tp_plan={"mlp.experts": "ep_dispatch_experts"})
     assert info.value.subject == "tp_plan"
     with pytest.raises(ConfigError, match="unknown style") as info:
         PrepConfig(tp=2, tp_plan={"a": "colwize"})
@@ -146,10 +146,39 @@ def test_refusals_name_the_field(
     assert error.subject == subject and words in str(error), str(error)
 
 
-def test_tied_parameter_in_the_plan_is_refused() -> None:
+def test_tied_parameter_laid_out_alike_by_every_use_is_planned_once() -> None:
+    """The embedding ('embedding_rowwise') and the head ('colwise_gather_output') both cut the
+    vocabulary: the tied weight is planned once, Shard(0)."""
     model = llama(LlamaConfig(tie_embeddings=True), "meta")
-    error = refusal(model, PrepConfig(strategy="fsdp", tp=2), 4)
+    tps = plan(model, PrepConfig(strategy="fsdp", tp=2), world=4).tensor_parallel
+    assert tps is not None
+    assert dict(tps.placements)["tok_embeddings.weight"] == Shard(0)
+    assert "output.weight" not in dict(tps.placements)
+
+
+def test_tied_parameter_laid_out_differently_is_refused_in_a_users_plan() -> None:
+    model = llama(LlamaConfig(tie_embeddings=True), "meta")
+    own = dict(type(model)._tp_plan)
+    own["output"] = "rowwise"
+    error = refusal(model, PrepConfig(strategy="fsdp", tp=2, tp_plan=own), 4)
     assert isinstance(error, ModelError) and error.subject == "tok_embeddings.weight"
+    assert "embedding_rowwise" in error.message and "rowwise" in error.message
+
+
+def test_tied_parameter_laid_out_differently_by_the_models_plan_is_kept_whole() -> None:
+    """A model's own plan that lays the uses of a tied weight out differently: both modules are
+    kept whole on every tp rank, and the plan says why."""
+
+    class Tied(Llama):
+        _tp_plan: ClassVar[dict[str, str]] = {**Llama._tp_plan, "output": "rowwise"}
+
+    model = llama(LlamaConfig(tie_embeddings=True), "meta")
+    model.__class__ = Tied
+    tps = plan(model, PrepConfig(strategy="fsdp", tp=2), world=4).tensor_parallel
+    assert tps is not None
+    assert "tok_embeddings.weight" not in dict(tps.placements)
+    assert {"tok_embeddings", "output"}.isdisjoint(f for f, _ in tps.modules)
+    assert any("is tied" in n and "kept whole" in n for n in tps.notes)
 
 
 def test_a_mesh_with_tp_is_refused() -> None:

@@ -3,6 +3,8 @@ mesh the user sliced from a larger one adds nothing here (its ranks are the mesh
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from _checks import check_plan_order, run_pure, run_until, success, with_rank
 from hypothesis import given
 from hypothesis import strategies as st
@@ -49,14 +51,15 @@ def test_plan_order(complete: PrepState) -> None:
     check_plan_order("init_extension", complete)
 
 
-def test_a_style_of_the_models_own_plan_fprep_does_not_apply_is_a_config_error() -> None:
-    """Qwen3's plan replicates its q / k norms with a gradient all-reduce
-    (transformers' 'replicated_with_grad_allreduce'); fprep raised a bare KeyError."""
+def test_qwen3s_own_plan_sums_the_q_k_norm_gradients_over_tp() -> None:
+    """Qwen3's plan replicates its q / k norms with a gradient all-reduce (transformers'
+    'replicated_with_grad_allreduce'): planned as Replicate DTensors over tp (fprep raised a
+    bare KeyError once)."""
     import torch
     import transformers as tf
-    from returns.result import Failure
 
     import fprep
+    from fprep.layout import Replicate
 
     with torch.device("meta"):
         model = tf.Qwen3ForCausalLM(
@@ -70,8 +73,26 @@ def test_a_style_of_the_models_own_plan_fprep_does_not_apply_is_a_config_error()
             )
         )
     cfg = fprep.PrepConfig(tp=2, strategy="fsdp")
-    result = fprep.plan(model, cfg, fprep.Topology(world_size=4, rank=0))
+    state = fprep.plan(model, cfg, fprep.Topology(world_size=4, rank=0)).unwrap()
+    tps = state.tensor_parallel
+    assert tps is not None
+    assert dict(tps.modules)["model.layers.1.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert dict(tps.placements)["model.layers.1.self_attn.k_norm.weight"] == Replicate()
+
+
+def test_a_style_the_models_own_plan_names_that_fprep_does_not_know_is_a_config_error() -> None:
+    from returns.result import Failure
+
+    import fprep
+    from fprep.testing.models import Llama, llama_tiny
+
+    class Odd(Llama):
+        _tp_plan: ClassVar[dict[str, str]] = {"layers.*.attention.wq": "frobnicate"}
+
+    model = llama_tiny("meta")
+    model.__class__ = Odd
+    result = fprep.plan(model, fprep.PrepConfig(tp=2), fprep.Topology(world_size=2, rank=0))
     assert isinstance(result, Failure)
     error = result.failure()
     assert isinstance(error, fprep.ConfigError) and error.subject == "tp_plan"
-    assert "'replicated_with_grad_allreduce'" in error.message and "q_norm" in error.message
+    assert "'frobnicate'" in error.message and "layers.0.attention.wq" in error.message

@@ -49,7 +49,7 @@ from fprep.progress import Progress
 from fprep.snapshot import clean_fqn
 from fprep.state import PrepState, need
 from fprep.tensor_bytes import byte_view
-from fprep.weights.blocks import StridedRead
+from fprep.weights.blocks import StridedRead, pieces
 from fprep.weights.identity import (
     Fingerprint,
     changed_tensors,
@@ -71,7 +71,7 @@ from fprep.weights.pipeline import (
     read_exact,
     strided_chunks_of,
 )
-from fprep.weights.records import ITEMSIZE, TensorRead, WeightsPlan
+from fprep.weights.records import ITEMSIZE, ConvertedRead, TensorRead, WeightsPlan, elements
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -115,7 +115,10 @@ class _Reader:
 
     def chunks(self, read: TensorRead, dest: torch.Tensor) -> Iterable[Chunk]:
         """``read``'s bytes, in chunks, for ``dest`` (contiguous); a tensor-parallel block's
-        column runs (``StridedRead``) as whole rows, many per chunk."""
+        column runs (``StridedRead``) as whole rows, many per chunk; a parameter assembled from
+        several tensors (``ConvertedRead``) segment by segment, each into its slice of ``dest``."""
+        if isinstance(read, ConvertedRead):
+            return [c for part, into in pieces(read, dest) for c in self.chunks(part, into)]
         fd, source = self.fds[read.file], _dtype(read.dtype)
         if isinstance(read, StridedRead):
             return strided_chunks_of(
@@ -214,10 +217,10 @@ def _destinations(plan: WeightsPlan, model: nn.Module) -> Iterator[tuple[TensorR
                 hint="A custom step before load_weights changed the model's structure.",
             )
         local = local_of(value) if isinstance(value, nn.Parameter) else value
-        if local.numel() * ITEMSIZE[read.dtype] != read.nbytes:
+        if local.numel() != elements(read):
             raise PrepareError(
                 f"{read.name!r} holds {local.numel()} elements on this rank, but the plan reads "
-                f"{read.nbytes // ITEMSIZE[read.dtype]} of {read.key!r}.",
+                f"{elements(read)} of {read.key!r}.",
                 subject=read.name,
                 hint="A custom step before load_weights sharded the model differently than "
                 "planned.",

@@ -19,7 +19,9 @@ from torch import nn
 
 from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
+from fprep.apply.tp_ties import retie
 from fprep.compat import float8_api, float8_tp_styles
+from fprep.errors import PrepareError
 from fprep.parallel_loop import LabelsNeedLossParallel
 from fprep.state import PrepState, need
 from fprep.tp_inputs import FirstInputsCheck
@@ -66,6 +68,16 @@ def parallelize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
         return skipped(state, model)
     from torch.distributed.tensor.parallel import parallelize_module
 
+    pending = [(f, n) for f, n in (*tps.modules, *tps.param_rules) if STYLES[n].is_behaviour]
+    pending += [(f, n) for f, n in tps.param_rules if STYLES[n].kind != "replicate"]
+    if pending:
+        fqn, name = pending[0]
+        raise PrepareError(
+            f"tensor parallelism: the style {name!r} of {fqn!r} is planned but not applied "
+            "yet by this version of fprep.",
+            subject=fqn,
+            hint="Pass tp_plan= with the Linear / Embedding styles only, or use tp=1.",
+        )
     float8 = {fqn for fqn, cls in tps.float8 if cls.startswith("Float8")}
     styles = float8_tp_styles(float8_api("precision='fp8' with tp > 1")) if float8 else None
     plan = {
@@ -76,6 +88,7 @@ def parallelize(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Modul
     attrs = param_attributes(model)
     handles = handles_of(state)
     parallelize_module(model, handles.tp_mesh, plan)
+    retie(model, state.tree, tuple(fqn for fqn, _ in tps.params))
     carry_param_attributes(model, attrs)
     # the ranks of a tp group must be given equal inputs: checked at the first forward
     check = FirstInputsCheck(handles.tp_mesh.get_group(), handles.device, state.config.timeout_s)

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from fprep.apply.steps import handles_of, skipped, step, with_handles
+from fprep.errors import ConfigError
 from fprep.state import PrepState, need
+from fprep.transitions.runtime import routed_expert_lists
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -76,6 +78,18 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
     plan = need(state.param_handles, "init_param_handles", "shard")
     prefetch = need(state.prefetching, "init_prefetching", "shard")
     handles = handles_of(state)
+    # experts held as separate modules: one a rank's router sent no token has no gradient
+    # there, and FSDP2 would reduce-scatter fewer gradients on that rank than on the others
+    experts = routed_expert_lists(state.tree)
+    if experts and not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise ConfigError(
+            f"{experts[0]} holds experts a router picks per token; this torch's FSDP2 cannot "
+            "reduce the zero gradients of an expert a rank sent no token (its ranks would "
+            "reduce-scatter different sizes).",
+            subject=experts[0],
+            hint="Use a newer torch (2.13 has FSDPModule.set_reduce_scatter_unused_params), "
+            "fused expert weights (transformers 5's layout), or strategy='ddp'.",
+        )
     if state.config.sync_module_states and state.topology.rank == 0:
         full = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         state = with_handles(state, rank0_full_state=full)
@@ -121,6 +135,11 @@ def shard(state: PrepState, model: nn.Module) -> tuple[PrepState, nn.Module]:
             )
 
     carry_param_attributes(model, attrs)
+    if experts:
+        for root in (model, *handles.stage_modules):
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_reduce_scatter_unused_params(True, recurse=False)
 
     def fsdp(fqn: str) -> FSDPModule:
         m = model.get_submodule(fqn)

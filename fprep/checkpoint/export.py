@@ -2,7 +2,10 @@
 
 The file holds every parameter and persistent buffer under its original FQN (tied parameters
 under each of their names), buffers in their original dtype (``state.buffers``), and loads with
-plain ``safetensors.torch.load_file`` — no fprep needed.
+plain ``safetensors.torch.load_file`` — no fprep needed. A transformers model whose checkpoints
+hold its tensors otherwise (a mixture-of-experts model's fused experts, one tensor per expert
+on the hub) is written in the checkpoints' layout, as its ``save_pretrained`` writes it
+(``_layouts``), so ``from_pretrained`` reads the file back.
 
 Memory stays bounded by one full tensor beyond this rank's shards: the header is computed from
 shapes and dtypes alone (global shapes are known without gathering), written first, then each
@@ -47,6 +50,9 @@ from fprep.layout.mesh import DIM_ORDER
 from fprep.state import PrepState
 from fprep.tensor_bytes import byte_view
 from fprep.unwrap import _original_class as original_class  # FSDP<Class> -> Class
+from fprep.weights import hf_conversions
+from fprep.weights.converted import leaf_order, tree
+from fprep.weights.records import WeightsTensor
 
 #: torch dtype -> safetensors dtype name
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -158,7 +164,13 @@ def _write_full(
                 if whole is not None
                 else [_Entry(n, d, tuple(v.shape), v) for n, v, d, _ in values]
             )
-            head = header([(e.name, e.dtype, e.shape) for e in entries])
+            head = header(
+                [
+                    h
+                    for e, layout in zip(entries, _layouts(model, entries, select), strict=True)
+                    for h in layout
+                ]
+            )
             if group.rank == 0:
                 sink = open_sink(target)
                 sink.write(head)
@@ -212,6 +224,67 @@ def _values(
         if isinstance(value, torch.Tensor):
             values.append((name, value, original if original is not None else value.dtype, key))
     return values
+
+
+def _layouts(
+    model: nn.Module, entries: list[_Entry], select: Select | None
+) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """How each entry is written: ``(name, dtype, shape)`` of the file's tensors it becomes,
+    whose bytes, one after the other, are the entry's own bytes in order.
+
+    A transformers model whose checkpoints hold its tensors otherwise (mixture-of-experts
+    experts, one tensor per expert; Mixtral's ``block_sparse_moe``) is written as
+    ``save_pretrained`` writes it, so ``from_pretrained`` reads the file back: the names
+    transformers' reverse conversion gives (``fprep.weights.hf_conversions``), each fused
+    parameter as its experts' tensors in the order its bytes hold them. A parameter whose
+    conversion fprep cannot stream that way (transformers' other operations), every other
+    model and a selection (``select``) are written under the model's own names, which
+    ``from_pretrained`` reads as well."""
+    plain = [[(e.name, e.dtype, e.shape)] for e in entries]
+    root = _transformers_root(model)
+    if select is not None or root is None:
+        return plain
+    layout = hf_conversions.checkpoint_layout(root, [(e.name, e.dtype, e.shape) for e in entries])
+    if layout is None:
+        return plain
+    names = layout.shapes
+    renamed = {target: key for key, target in layout.renames}
+    by_target = {c.target: c for c in layout.conversions}
+    out = []
+    for e in entries:
+        conversion = by_target.get(e.name)
+        if conversion is None:
+            out.append([(renamed.get(e.name, e.name), e.dtype, e.shape)])
+            continue
+        tensors = {
+            k: WeightsTensor(k, "", "float32", names[k], 0, 0)
+            for source in conversion.sources
+            for k in source.keys
+        }
+        try:
+            order = leaf_order(tree(conversion, e.shape, tensors))
+        except CheckpointError:  # an operation fprep does not stream
+            order = None
+        if order is None:  # the model's own name, which from_pretrained reads as well
+            out.append([(e.name, e.dtype, e.shape)])
+            continue
+        out.append([(k, e.dtype, names[k]) for k in order])
+    return out
+
+
+def _transformers_root(model: nn.Module) -> nn.Module | None:
+    """The transformers model ``model`` is or wraps (DDP's ``module``, torch.compile's
+    ``_orig_mod``); None for any other model."""
+    seen: object = model
+    for _ in range(4):
+        if hf_conversions.is_transformers_model(seen):
+            assert isinstance(seen, nn.Module)
+            return seen
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        seen = inner
+    return None
 
 
 def _whole_entries(

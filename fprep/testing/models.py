@@ -1,12 +1,16 @@
 """Small, dependency-free model builders for tests, benchmarks, the CLI and the demo.
 
-Two families:
+Three families:
 
 * ``Llama``: a Llama-shaped decoder (token embedding, blocks of grouped-query attention with
   RoPE and a SwiGLU feed-forward, RMSNorm, output projection) with the module names torchtitan
   uses (``tok_embeddings``, ``layers.N.attention.wq`` ...). ``llama_405b()`` and ``llama_8b()``
   build the published shapes on the meta device (no memory); ``llama_tiny()`` builds a small one
   on the CPU that really runs.
+* ``MoE``: ``Llama`` with a top-k routed mixture of experts as its feed-forward (a ``gate``
+  router, ``experts`` in two fused 3-D weights as transformers 5 and torchtitan keep them, an
+  optional shared expert), recording each router call's load-balancing loss and token counts.
+  ``moe_tiny()`` runs on a CPU; ``moe_8x7b()`` is Mixtral 8x7B's shape on the meta device.
 * ``GPT``: a tiny GPT-2-like model with tied input/output embeddings
   (``lm_head.weight is wte.weight``), deterministic for a seed and trainable on a CPU in
   milliseconds, plus ``synthetic_batches`` to feed it.
@@ -16,37 +20,49 @@ Every module that registers parameters itself (``nn.Linear``, ``nn.Embedding``, 
 materialized. RoPE angles are computed in ``forward``: there are no buffers to materialize.
 
 The builders with no required arguments (``llama_405b``, ``llama_70b``, ``llama_8b``,
-``llama_tiny``, ``tiny_gpt``) can be named as import strings, e.g.
+``llama_tiny``, ``moe_8x7b``, ``moe_tiny``, ``tiny_gpt``) can be named as import strings, e.g.
 ``fprep.testing.models:llama_405b``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fprep.moe import balance_loss
 
 __all__ = [
     "GPT",
     "MLP",
     "Attention",
     "CausalSelfAttention",
+    "Experts",
     "FeedForward",
     "GPTBlock",
     "GPTConfig",
     "Llama",
     "LlamaBlock",
     "LlamaConfig",
+    "MoE",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEFeedForward",
+    "MoERouter",
     "llama",
     "llama_8b",
     "llama_70b",
     "llama_405b",
     "llama_tiny",
     "lm_loss",
+    "moe",
+    "moe_8x7b",
+    "moe_tiny",
     "synthetic_batches",
     "tiny_gpt",
 ]
@@ -336,6 +352,231 @@ def llama_tiny(
     context says otherwise), deterministic for ``seed``."""
     config = LLAMA_TINY if not tie_embeddings else LlamaConfig(tie_embeddings=True)
     return llama(config, device, dtype=dtype, seed=seed)
+
+
+# -- mixture of experts ----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig(LlamaConfig):
+    """Shape of ``MoE``: a ``LlamaConfig`` whose feed-forward is ``n_experts`` SwiGLU experts of
+    hidden size ``expert_dim``, each token sent to ``top_k`` of them; ``shared_expert=True``
+    adds a dense SwiGLU of size ``ffn_dim`` that every token goes through as well."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 32
+    shared_expert: bool = False
+    #: renormalize the chosen experts' probabilities to sum to one (Mixtral, Qwen3-MoE)
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(
+            "MoEConfig", n_experts=self.n_experts, top_k=self.top_k, expert_dim=self.expert_dim
+        )
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds n_experts {self.n_experts}")
+
+    @property
+    def params_per_layer(self) -> int:
+        attention = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
+        experts = self.n_experts * 3 * self.dim * self.expert_dim + self.n_experts * self.dim
+        shared = 3 * self.dim * self.ffn_dim if self.shared_expert else 0
+        return attention + experts + shared + 2 * self.dim
+
+
+class MoERouter(nn.Module):
+    """Top-k router: ``x`` (tokens, dim) -> ``(logits, weights, indices)``, as transformers 5's
+    ``Qwen3MoeTopKRouter`` returns them: the logits (tokens, n_experts), the chosen experts'
+    weights (tokens, top_k) and their indices (tokens, top_k, int64).
+
+    Each call records ``aux_loss`` (``balance_loss`` of the call, with its gradient path) and
+    ``tokens_per_expert`` (n_experts,) int64, read by ``MoE.aux_loss()`` and by
+    ``fprep.moe.watch_routers``."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_experts
+        self.top_k = config.top_k
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.n_experts, config.dim))
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.aux_loss = balance_loss(logits, indices, self.num_experts)
+        flat = indices.detach().reshape(-1)
+        self.tokens_per_expert = torch.zeros(
+            self.num_experts, dtype=torch.int64, device=flat.device
+        ).index_add_(0, flat, torch.ones_like(flat))
+        return logits, weights.to(x.dtype), indices
+
+
+class Experts(nn.Module):
+    """``n_experts`` SwiGLU feed-forwards in two fused parameters, transformers 5's and
+    torchtitan's layout: ``gate_up_proj`` (n_experts, 2 * expert_dim, dim), the gate's rows
+    then the up projection's, and ``down_proj`` (n_experts, dim, expert_dim).
+
+    ``forward`` is the whole expert computation, one loop over the experts that received
+    tokens; a grouped GEMM or expert parallelism replaces this one method."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_experts
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(config.n_experts, 2 * config.expert_dim, config.dim)
+        )
+        self.down_proj = nn.Parameter(torch.empty(config.n_experts, config.dim, config.expert_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate_up_proj, std=self.gate_up_proj.shape[2] ** -0.5)
+        nn.init.normal_(self.down_proj, std=self.down_proj.shape[2] ** -0.5)
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``x`` (tokens, dim), each token's ``indices`` and ``weights`` (tokens, top_k) ->
+        (tokens, dim): the weighted sum of its experts' outputs."""
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(indices == expert)
+            if token.numel() == 0:
+                continue  # its rows of the fused weights get a zero gradient
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out = out.index_add(0, token, y * weights[token, slot, None])
+        return out
+
+
+class MoEFeedForward(nn.Module):
+    """Routed experts (and the optional shared expert) of one block: (batch, seq, dim) in and
+    out; the router is ``gate``, as in transformers' Qwen3-MoE and Mixtral."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.gate = MoERouter(config)
+        self.experts = Experts(config)
+        self.shared_expert = FeedForward(config) if config.shared_expert else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        _, weights, indices = self.gate(tokens)
+        out: torch.Tensor = self.experts(tokens, indices, weights).reshape(x.shape)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out
+
+
+class MoEBlock(nn.Module):
+    """A ``LlamaBlock`` whose feed-forward is ``MoEFeedForward``."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = MoEFeedForward(config)
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return out
+
+
+class MoE(nn.Module):
+    """Llama-shaped mixture-of-experts decoder: tokens (batch, seq) -> logits (batch, seq, vocab).
+
+    Module names follow ``Llama`` (``layers.N.feed_forward.gate`` is a router,
+    ``layers.N.feed_forward.experts`` its experts). ``aux_loss()`` is the sum over the layers of
+    the last forward's load-balancing losses; ``_pp_plan`` lets pipeline parallelism split it.
+    """
+
+    _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = Llama._pp_plan
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        logits: torch.Tensor = self.output(self.norm(h))
+        return logits
+
+    def aux_loss(self) -> torch.Tensor:
+        """The sum over the layers of the last forward's ``balance_loss`` (with its gradient
+        path: add ``coef * model.aux_loss()`` to the training loss)."""
+        losses = [
+            m.aux_loss
+            for m in self.modules()
+            if isinstance(m, MoERouter) and m.aux_loss is not None
+        ]
+        if not losses:
+            raise RuntimeError("MoE.aux_loss() is known after a forward")
+        return torch.stack(losses).sum()
+
+
+def moe(
+    config: MoEConfig,
+    device: DeviceLike | None = "meta",
+    *,
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
+) -> MoE:
+    """Build a ``MoE`` on ``device`` (the meta device by default), deterministic for ``seed``
+    on a real device."""
+    model = _build(MoE, config, device, dtype, seed)
+    assert isinstance(model, MoE)
+    return model
+
+
+#: Mixtral 8x7B's shape: 32 layers, dim 4096, 32 heads (8 kv), 8 experts of 14336, top 2.
+MOE_8X7B = MoEConfig(
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    vocab_size=32000,
+    n_experts=8,
+    top_k=2,
+    expert_dim=14336,
+    rope_theta=1e6,
+)
+#: A MoE that runs on a CPU in milliseconds.
+MOE_TINY = MoEConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+
+
+def moe_8x7b(device: DeviceLike = "meta", *, dtype: torch.dtype | None = None) -> MoE:
+    """Mixtral 8x7B-shaped (about 46.7e9 parameters), on the meta device by default."""
+    return moe(MOE_8X7B, device, dtype=dtype)
+
+
+def moe_tiny(
+    device: DeviceLike | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    shared_expert: bool = False,
+    **changes: Any,
+) -> MoE:
+    """A small ``MoE`` (``MOE_TINY`` with ``changes`` over it, e.g. ``n_layers=4``) on the
+    default device, deterministic for ``seed``; ``shared_expert=True`` adds the shared expert."""
+    config = dataclasses.replace(MOE_TINY, shared_expert=shared_expert, **changes)
+    return moe(config, device, dtype=dtype, seed=seed)
 
 
 # -- tiny GPT --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ not fit fail the plan before anything happens to the model (see ``fprep.weights.
 from __future__ import annotations
 
 from fprep.errors import ConfigError
+from fprep.layout.placements import StridedShard
 from fprep.state import PrepState, StateDictState, need
 from fprep.transitions._base import transition
 from fprep.weights.blocks import tp_weights
@@ -45,6 +46,15 @@ def _weights(state: PrepState, sharded: bool) -> WeightsPlan | None:
     tps = state.tensor_parallel
     if tps is None:
         return plan
+    packed = [fqn for fqn, placement in tps.placements if isinstance(placement, StridedShard)]
+    if packed:
+        raise ConfigError(
+            f"weights= with tp={tps.size}: {packed[0]!r} is packed (its halves each cut on their "
+            "own over the tp ranks), which fprep does not read from a file yet.",
+            subject="weights",
+            hint="Load the weights at tp=1 (fsdp shards them without tp) and save a checkpoint "
+            "with fprep.save, which loads at any tp.",
+        )
     return tp_weights(plan, snapshot, dict(tps.params), tps.size, tps.rank, shard)
 
 

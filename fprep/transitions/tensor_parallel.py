@@ -12,11 +12,25 @@ With ``precision="fp8"`` the plan also says which style each float8 Linear it sh
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from fprep.adapters import AdapterLayout
 from fprep.errors import ConfigError, ModelError
+from fprep.layout.placements import Placement, Replicate, Shard, StridedShard
 from fprep.snapshot import ModuleTree, is_within, join_fqn
 from fprep.state import Fp8Plan, IgnoredState, PrepState, ProcessGroupState, TensorParallelState
-from fprep.tp_styles import REFUSED, SHARDABLE, STYLES, Style, pattern_regex, tp_dim
+from fprep.tp_styles import (
+    BEHAVIOURS,
+    REFUSED,
+    RUNS_LOCAL,
+    SHARDABLE,
+    STYLES,
+    Style,
+    param_placement,
+    pattern_regex,
+    tp_dim,
+)
 from fprep.transitions.fp8 import FP8_DIM_MULTIPLE
 from fprep.transitions.sequence_parallel import plan_sequence_parallel
 
@@ -36,43 +50,84 @@ def _plan_pairs(state: PrepState) -> tuple[tuple[tuple[str, str], ...], str]:
     )
 
 
-def match_modules(
+@dataclass(frozen=True)
+class Rules:
+    """A plan's rules matched against the model: ``modules`` ``(module FQN, style)`` in
+    pre-order, ``params`` ``(parameter FQN, style)`` for the rules that name a parameter, and
+    ``skipped``: the patterns of the model's own plan that match nothing here (transformers
+    skips them too: a Qwen3-MoE plan's dense-layer patterns when every layer is sparse)."""
+
+    modules: tuple[tuple[str, str], ...]
+    params: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()
+
+
+def _param_hits(tree: ModuleTree, rx: re.Pattern[str]) -> list[str]:
+    return [
+        join_fqn(m.fqn, name)
+        for m in tree.modules
+        if not m.is_stage_gap
+        for name in m.param_names
+        if rx.fullmatch(join_fqn(m.fqn, name))
+    ]
+
+
+def match_rules(
     tree: ModuleTree,
     pairs: tuple[tuple[str, str], ...],
     field: str = "tp_plan",
     whole: ModuleTree | None = None,
-) -> tuple[tuple[str, str], ...]:
-    """``(module FQN, style)`` for every module a pattern matches, in pre-order.
+    *,
+    strict: bool = True,
+) -> Rules:
+    """Every module and parameter a pattern matches (a pattern matching a module names the
+    module; otherwise the parameters it matches).
 
     Under pipeline parallelism ``tree`` is this rank's part and ``whole`` the whole model: a
-    pattern must match a module of the whole model, and matches on this part only the modules
-    this rank holds (another stage's modules are pass-throughs here, or gone).
+    pattern must match in the whole model, and matches on this part only what this rank holds.
+    ``strict``: a pattern matching nothing is a ConfigError (a user's plan); otherwise it is
+    listed in ``Rules.skipped`` (a model's own plan covers configurations this one is not).
     """
-    chosen: dict[str, tuple[str, str]] = {}  # fqn -> (pattern, style)
+    modules: dict[str, tuple[str, str]] = {}  # fqn -> (pattern, style)
+    params: dict[str, tuple[str, str]] = {}
+    skipped: list[str] = []
     for pattern, style in pairs:
         rx = pattern_regex(pattern)
         hits = [m.fqn for m in tree.modules[1:] if rx.fullmatch(m.fqn) and not m.is_stage_gap]
+        chosen = modules
+        if not hits:
+            hits, chosen = _param_hits(tree, rx), params
         if not hits and whole is not None and any(rx.fullmatch(m.fqn) for m in whole.modules):
             continue  # another stage's modules
+        if not hits and whole is not None and _param_hits(whole, rx):
+            continue
+        if not hits and not strict:
+            skipped.append(pattern)
+            continue
         if not hits:
             raise ConfigError(
-                f"PrepConfig.{field} pattern {pattern!r} ({style!r}) matches no module of "
-                f"{tree.root.class_name}.",
+                f"PrepConfig.{field} pattern {pattern!r} ({style!r}) matches no module or "
+                f"parameter of {tree.root.class_name}.",
                 subject=field,
-                hint="Patterns are module FQNs as in model.named_modules(), '*' standing for "
-                "one segment (a layer number), e.g. 'layers.*.attention.wq'.",
+                hint="Patterns are module or parameter FQNs as in model.named_modules() / "
+                "named_parameters(), '*' standing for one segment (a layer number), e.g. "
+                "'layers.*.attention.wq'.",
             )
         for fqn in hits:
             before = chosen.get(fqn)
             if before is not None and before[1] != style:
                 raise ConfigError(
-                    f"PrepConfig.{field}: module {fqn!r} matches {before[0]!r} ({before[1]!r}) "
+                    f"PrepConfig.{field}: {fqn!r} matches {before[0]!r} ({before[1]!r}) "
                     f"and {pattern!r} ({style!r}).",
                     subject=field,
                     hint="Give each module one style.",
                 )
             chosen[fqn] = (pattern, style)
-    return tuple((m.fqn, chosen[m.fqn][1]) for m in tree.modules if m.fqn in chosen)
+    return Rules(
+        modules=tuple((m.fqn, modules[m.fqn][1]) for m in tree.modules if m.fqn in modules),
+        params=tuple((fqn, style) for fqn, (_, style) in params.items()),
+        skipped=tuple(skipped),
+    )
 
 
 def _check_kind(tree: ModuleTree, fqn: str, style: Style) -> bool:
@@ -80,7 +135,8 @@ def _check_kind(tree: ModuleTree, fqn: str, style: Style) -> bool:
     info = tree.module(fqn)
     assert info is not None
     is_embedding = info.is_a("Embedding")
-    if style.kind in ("colwise", "rowwise") and not any(info.is_a(k) for k in SHARDABLE):
+    shards_layer = style.kind in ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
+    if shards_layer and not any(info.is_a(k) for k in SHARDABLE):
         raise ConfigError(
             f"PrepConfig.tp_plan gives {fqn!r} the style {style.name!r}, but it is a "
             f"{info.class_name}: {style.kind} shards nn.Linear and nn.Embedding weights only.",
@@ -113,44 +169,142 @@ def _check_known_styles(tree: ModuleTree, modules: tuple[tuple[str, str], ...]) 
         )
 
 
-def _params(
-    tree: ModuleTree, modules: tuple[tuple[str, str], ...], tp: int, ignored: IgnoredState
-) -> tuple[tuple[str, int | None], ...]:
-    out: list[tuple[str, int | None]] = []
-    for fqn, name in modules:
-        style = STYLES[name]
-        if not style.shards_params:
-            continue
-        if any(is_within(fqn, m) for m in ignored.modules):
-            raise ConfigError(
-                f"PrepConfig.tp_plan shards {fqn!r}, which is ignored (kept whole on every rank).",
-                subject="tp_plan",
-                hint="Stop ignoring it, or leave it out of the plan.",
-            )
-        is_embedding = _check_kind(tree, fqn, style)
-        info = tree.module(fqn)
+def _use_placement(
+    tree: ModuleTree,
+    name: str,
+    modules: dict[str, str],
+    rules: dict[str, str],
+) -> tuple[str, Placement | None] | None:
+    """``(rule's style, placement)`` of the parameter reachable as ``name`` (a rule naming it
+    wins over its module's, as in transformers); None when no rule covers it."""
+    owner, _, leaf = name.rpartition(".")
+    p = tree.param(name)
+    assert p is not None
+    if name in rules:
+        style = STYLES[rules[name]]
+        return style.name, param_placement(style.kind, len(p.shape), leaf, own_rule=True)
+    if owner not in modules:
+        return None
+    style = STYLES[modules[owner]]
+    if style.kind in ("colwise", "rowwise", "sequence"):
+        info = tree.module(owner)
         assert info is not None
-        for pname in info.param_names:
-            p = tree.param(join_fqn(fqn, pname))
-            assert p is not None
-            dim = tp_dim(style.kind, is_embedding, pname)
-            if p.is_tied:
-                raise ModelError(
-                    f"parameter {p.fqn!r} is tied ({', '.join(p.names)}) and tp_plan gives "
-                    f"{fqn!r} the style {name!r}: fprep does not shard tied parameters over tp.",
-                    subject=p.fqn,
-                    hint="Untie it (e.g. tie_word_embeddings=False), or leave its modules "
-                    "out of the tp plan.",
-                )
-            if dim is not None and p.shape[dim] % tp:
+        dim = tp_dim(style.kind, info.is_a("Embedding"), leaf)
+        return style.name, Replicate() if dim is None else Shard(dim)
+    return style.name, param_placement(style.kind, len(p.shape), leaf, own_rule=False)
+
+
+def _check_param_rules(tree: ModuleTree, rules: Rules, modules: dict[str, str]) -> None:
+    """A rule naming a parameter gives it a layout; its module must then run on local shards
+    (transformers' ``local_params``, ``moe_tp_experts``), or its forward would mix a sharded
+    parameter with whole activations."""
+    for fqn, name in rules.params:
+        style = STYLES[name]
+        if style.kind not in ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "grad_sum"):
+            if style.kind == "replicate":
+                continue
+            raise ConfigError(
+                f"tp plan gives the parameter {fqn!r} the style {name!r}, which applies to "
+                "modules only.",
+                subject="tp_plan",
+                hint="Name the module that holds it.",
+            )
+        owner = fqn.rpartition(".")[0]
+        around = modules.get(owner)
+        if style.kind != "grad_sum" and (around is None or STYLES[around].kind not in RUNS_LOCAL):
+            raise ConfigError(
+                f"tp plan shards the parameter {fqn!r} ({name!r}), but its module "
+                f"{owner or tree.root.class_name!r} "
+                + (f"has the style {around!r}" if around else "has no style")
+                + ", so its forward would mix the shard with whole activations.",
+                subject="tp_plan",
+                hint=f"Give {owner!r} 'local_params' (or 'moe_tp_experts' for fused experts), "
+                "or leave the parameter out of the plan.",
+            )
+
+
+def _placements(
+    tree: ModuleTree,
+    rules: Rules,
+    tp: int,
+    ignored: IgnoredState,
+    *,
+    strict: bool,
+    notes: list[str],
+) -> tuple[tuple[tuple[str, Placement], ...], frozenset[str]]:
+    """Every tp parameter's placement, checked; and the modules whose rules a tied parameter's
+    disagreeing uses drop (the model's own plan only; a user's plan is refused instead)."""
+    modules = dict(rules.modules)
+    own = dict(rules.params)
+    for fqn, name in rules.modules:
+        style = STYLES[name]
+        if style.shards_params or style.kind == "packed_rowwise":
+            if any(is_within(fqn, m) for m in ignored.modules):
                 raise ConfigError(
-                    f"PrepConfig.tp={tp} does not divide dim {dim} (size {p.shape[dim]}) of "
-                    f"{p.fqn!r} {p.shape}, which the style {name!r} shards.",
-                    subject="tp",
-                    hint=f"Choose tp dividing {p.shape[dim]}, or leave {fqn!r} replicated.",
+                    f"PrepConfig.tp_plan shards {fqn!r}, which is ignored (kept whole on every "
+                    "rank).",
+                    subject="tp_plan",
+                    hint="Stop ignoring it, or leave it out of the plan.",
                 )
-            out.append((p.fqn, dim))
-    return tuple(out)
+            _check_kind(tree, fqn, style)
+    _check_param_rules(tree, rules, modules)
+    candidates = [join_fqn(f, n) for f, _ in rules.modules for n in _module_params(tree, f)]
+    candidates += [f for f, _ in rules.params]
+    out: dict[str, Placement] = {}
+    dropped: set[str] = set()
+    for name in dict.fromkeys(candidates):
+        p = tree.param(name)
+        assert p is not None
+        if p.fqn in out:
+            continue
+        uses = {n: _use_placement(tree, n, modules, own) for n in p.names if tree.param(n)}
+        placed = {u[1] for u in uses.values() if u is not None}
+        if len(p.names) > 1 and (len(placed) > 1 or None in {u and u[1] for u in uses.values()}):
+            described = ", ".join(
+                f"{n} ({u[0]}: {u[1] or 'whole'})" if u else f"{n} (no style)"
+                for n, u in uses.items()
+            )
+            if strict:
+                raise ModelError(
+                    f"parameter {p.fqn!r} is tied ({', '.join(p.names)}) and the tp plan lays "
+                    f"its uses out differently: {described}. One tensor has one layout.",
+                    subject=p.fqn,
+                    hint="Give every use the same layout (e.g. 'embedding_rowwise' on the "
+                    "embedding with 'colwise_gather_output' on the head: both cut the "
+                    "vocabulary), untie it (tie_word_embeddings=False), or leave its modules "
+                    "out of the plan.",
+                )
+            owners = {n.rpartition(".")[0] for n in uses}
+            dropped |= owners & set(modules)
+            notes.append(
+                f"{p.fqn!r} is tied and the model's plan lays its uses out differently "
+                f"({described}): {', '.join(sorted(owners & set(modules)))} kept whole on "
+                "every tp rank."
+            )
+            continue
+        placement = next(iter(placed), None)
+        if placement is None:
+            continue
+        dim = placement.dim if isinstance(placement, Shard | StridedShard) else None
+        parts = tp * (placement.split_factor if isinstance(placement, StridedShard) else 1)
+        if dim is not None and p.shape[dim] % parts:
+            raise ConfigError(
+                f"PrepConfig.tp={tp} does not divide dim {dim} (size {p.shape[dim]}) of "
+                f"{p.fqn!r} {p.shape}, which the tp plan shards"
+                + (" in two halves" if parts > tp else "")
+                + f" ({placement}).",
+                subject="tp",
+                hint=f"Choose tp dividing {p.shape[dim] // (parts // tp)}, or leave "
+                f"{p.fqn!r} replicated.",
+            )
+        out[p.fqn] = placement
+    return tuple(out.items()), frozenset(dropped)
+
+
+def _module_params(tree: ModuleTree, fqn: str) -> tuple[str, ...]:
+    info = tree.module(fqn)
+    assert info is not None
+    return info.param_names
 
 
 #: the styles fprep applies to a float8 Linear: torchao's with tensorwise scales, else torch's
@@ -214,6 +368,21 @@ def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
         )
 
 
+def _check_sequence_parallel(rules: Rules) -> None:
+    """Sequence parallelism plans the Linear styles only: a behaviour or a parameter rule
+    would meet sequence-sharded activations no one has checked it against."""
+    for fqn, name in (*rules.modules, *rules.params):
+        kind = STYLES[name].kind
+        if (kind in BEHAVIOURS and kind != "grad_sum") or (fqn, name) in rules.params:
+            raise ConfigError(
+                f"sequence_parallel=True with the tp style {name!r} on {fqn!r}: fprep lays out "
+                "sequence parallelism around Linear / Embedding styles only.",
+                subject="sequence_parallel",
+                hint="Use sequence_parallel=False for this model (tensor parallelism alone "
+                "applies every style).",
+            )
+
+
 def plan_tensor_parallel(
     state: PrepState, pg: ProcessGroupState, ignored: IgnoredState
 ) -> TensorParallelState | None:
@@ -223,12 +392,23 @@ def plan_tensor_parallel(
         return None
     _check_compile(cfg.compile, cfg.activation_checkpointing, tp)
     pairs, source = _plan_pairs(state)
-    modules = match_modules(tree, pairs, whole=state.pipeline.whole if state.pipeline else None)
-    _check_known_styles(tree, modules)
+    strict = source == "config"
+    rules = match_rules(
+        tree, pairs, whole=state.pipeline.whole if state.pipeline else None, strict=strict
+    )
+    _check_known_styles(tree, (*rules.modules, *rules.params))
+    notes: list[str] = []
+    if rules.skipped:
+        notes.append(
+            f"the model's own tp plan names what this configuration lacks; skipped: "
+            f"{', '.join(rules.skipped)}."
+        )
+    modules = rules.modules
     adapters = AdapterLayout.of(tree)
     if adapters is not None:  # peft: the styles of wrapped layers go to their parts
         modules = adapters.tensor_parallel(tree, modules, sequence=cfg.sequence_parallel)
     if cfg.sequence_parallel:
+        _check_sequence_parallel(rules)
         pipe = state.pipeline
         modules = plan_sequence_parallel(
             tree,
@@ -236,6 +416,10 @@ def plan_tensor_parallel(
             enters=pipe is None or pipe.holds_first,
             leaves=pipe is None or pipe.holds_last,
         )
+    rules = Rules(modules=modules, params=rules.params)
+    placements, dropped = _placements(tree, rules, tp, ignored, strict=strict, notes=notes)
+    if dropped:
+        modules = tuple((f, n) for f, n in modules if f not in dropped)
     styles = {name for _, name in modules}
     if styles & {"colwise", "colwise_rep", "colwise_gather_output"}:
         for field, count in tree.head_counts:
@@ -246,10 +430,11 @@ def plan_tensor_parallel(
                     subject="tp",
                     hint=f"Choose tp dividing {count}.",
                 )
-    params = _params(tree, modules, tp, ignored)
+    params = tuple(
+        (fqn, pl.dim if isinstance(pl, Shard | StridedShard) else None) for fqn, pl in placements
+    )
     fp8 = state.core.precision.fp8_plan if state.core is not None else None
     float8 = _float8_styles(tree, modules, fp8, tp) if fp8 is not None else ()
-    notes: list[str] = []
     if topo.local_world_size % tp:
         notes.append(
             f"tp={tp} does not divide the {topo.local_world_size} processes per node: tensor-"
@@ -263,4 +448,7 @@ def plan_tensor_parallel(
         loss_parallel=any(STYLES[n].dtensor_output for _, n in modules),
         notes=tuple(notes),
         float8=float8,
+        placements=placements,
+        param_rules=rules.params,
+        rope_dim=dict(tree.model_dims).get("qk_rope_head_dim"),
     )

@@ -25,9 +25,16 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from fprep.errors import ConfigError
+from fprep.errors import CheckpointError, ConfigError
 from fprep.sharding import chunk_rows, local_rows
-from fprep.weights.records import ITEMSIZE, TensorRead, WeightsPlan, WeightsSnapshot, WeightsTensor
+from fprep.weights.records import (
+    ITEMSIZE,
+    ConvertedRead,
+    TensorRead,
+    WeightsPlan,
+    WeightsSnapshot,
+    WeightsTensor,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +109,15 @@ def tp_weights(
     reads = []
     for read in plan.reads:
         dim = dims.get(read.name) if read.kind == "param" else None
+        if dim is not None and isinstance(read, ConvertedRead):
+            raise CheckpointError(
+                f"tensor parallelism cuts {read.name!r}, which {plan.source} holds as one "
+                f"tensor per expert ({read.key!r}, ...): fprep does not yet read a "
+                "converted parameter's tensor-parallel block.",
+                subject=read.name,
+                hint="Leave this parameter's module out of PrepConfig.tp_plan (or give it "
+                "'replicate'), or prepare without tensor parallelism (tp=1).",
+            )
         reads.append(
             read if dim is None else block_read(read, by_key[read.key], dim, tp, tp_rank, shard)
         )
@@ -110,7 +126,19 @@ def tp_weights(
 
 def pieces(read: TensorRead, dest: torch.Tensor) -> Iterator[tuple[TensorRead, torch.Tensor]]:
     """Contiguous byte ranges of ``read`` and where each lands in ``dest`` (contiguous, the
-    rank's block): the read itself, or one slice of ``dest`` per run of a ``StridedRead``."""
+    rank's block): the read itself, one slice of ``dest`` per run of a ``StridedRead``, or
+    per segment of a ``ConvertedRead``."""
+    if isinstance(read, ConvertedRead):
+        flat, at = dest.view(-1), 0
+        base = TensorRead(**{f.name: getattr(read, f.name) for f in dataclasses.fields(TensorRead)})
+        for s in read.segments:
+            count = s.nbytes // ITEMSIZE[s.dtype]
+            part = dataclasses.replace(
+                base, key=s.key, file=s.file, dtype=s.dtype, offset=s.offset, nbytes=s.nbytes
+            )
+            yield part, flat[at : at + count]
+            at += count
+        return
     if not isinstance(read, StridedRead):
         yield read, dest
         return

@@ -11,7 +11,14 @@ it is read; integers, booleans and complex numbers must match exactly).
 A parameter sharded on dim 0 (fsdp, hsdp) is row-major, so this rank's rows are one contiguous
 byte range of the file: ``[offset + c*r*row, offset + (c*r + rows)*row)`` with ``c`` rows per
 chunk and ``rows`` this rank's rows (``fprep.sharding``); every other parameter and every buffer
-is read whole. Pure: no I/O, no tensors.
+is read whole.
+
+A transformers model whose checkpoints hold its tensors under other names, or split in
+several (mixture-of-experts experts, one tensor per expert), reads them as transformers'
+``from_pretrained`` would: ``WeightsSnapshot.renames`` and ``conversions``
+(``fprep.weights.hf_conversions``) say where each key goes, ``fprep.weights.converted`` which
+runs of which tensors make this rank's rows of an assembled parameter. Pure: no I/O, no
+tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +30,15 @@ from fprep.adapters import AdapterLayout
 from fprep.errors import CheckpointError
 from fprep.sharding import chunk_rows, shard_shape
 from fprep.snapshot import ModuleTree
-from fprep.weights.records import TensorRead, WeightsPlan, WeightsSnapshot, WeightsTensor
+from fprep.weights.converted import converted_read, tree
+from fprep.weights.records import (
+    Conversion,
+    ConvertedRead,
+    TensorRead,
+    WeightsPlan,
+    WeightsSnapshot,
+    WeightsTensor,
+)
 
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _SHOWN = 5  # names listed in an error before "and N more"
@@ -113,7 +128,17 @@ def plan_weights(
     layout = AdapterLayout.of(tree)
     key_of = layout.checkpoint_key if layout is not None else _same
     adapter = layout.is_adapter if layout is not None else _never
-    by_model_name = {t.key: t for t in weights.tensors}
+    by_file_key = {t.key: t for t in weights.tensors}
+    by_model_name = dict(by_file_key)
+    for key, _ in weights.renames:  # transformers' renames: the model's name only
+        by_model_name.pop(key, None)
+    for key, renamed in weights.renames:
+        by_model_name[renamed] = by_file_key[key]
+    converted = {c.target: c for c in weights.conversions}
+    for c in weights.conversions:  # a key transformers converts is read through its conversion
+        for source in c.sources:
+            for key in source.keys:
+                by_model_name.pop(key, None)
     names = [n for p in tree.params for n in p.names] + [b.fqn for b in tree.buffers]
     by_key = {n: by_model_name[key_of(n)] for n in names if key_of(n) in by_model_name}
     kept_whole = frozenset(whole)
@@ -125,6 +150,15 @@ def plan_weights(
     provided: set[str] = set()  # model names (every name of a tied parameter) read from the file
     for p in tree.params:
         present = [n for n in p.names if n in by_key]
+        conversion = next((converted[key_of(n)] for n in p.names if key_of(n) in converted), None)
+        if not present and conversion is not None:
+            split = None if p.fqn in kept_whole or not p.shape else shard
+            reads.append(
+                _converted(conversion, p.fqn, p.shape, p.dtype, by_file_key, split, not p.is_meta)
+            )
+            used.update(k for source in conversion.sources for k in source.keys)
+            provided.update(p.names)
+            continue
         if not present:
             allowed = adapter(p.fqn) or _matches(p.fqn, missing_keys)
             allowed = allowed or _matches(key_of(p.fqn), missing_keys)
@@ -160,7 +194,7 @@ def plan_weights(
             "model's state_dict keys), or allow them with PrepConfig(weights_missing_keys=...) "
             "to initialize them as without weights.",
         )
-    theirs = {key_of(n) for n in other_stages}
+    theirs = _file_keys((key_of(n) for n in other_stages), weights)
     unexpected = [t for t in weights.tensors if t.key not in used and t.key not in theirs]
     refused = [t for t in unexpected if not _matches(t.key, extra_keys)]
     if refused:
@@ -179,8 +213,59 @@ def plan_weights(
         skipped_keys=tuple(t.key for t in unexpected),
         missing_keys=tuple(allowed_missing),
         same_as=tuple(same_as),
-        notes=weights.notes,
+        notes=weights.notes + _conversion_notes(reads, weights),
     )
+
+
+def _conversion_notes(reads: list[TensorRead], weights: WeightsSnapshot) -> tuple[str, ...]:
+    """A line saying how many parameters are assembled from the file's per-expert tensors."""
+    assembled = [r for r in reads if isinstance(r, ConvertedRead)]
+    if not assembled:
+        return ()
+    by_target = {c.target: c for c in weights.conversions}
+    families = sorted({c.family for c in weights.conversions})
+    tensors = sum(len(s.keys) for c in by_target.values() for s in c.sources)
+    renamed = f", {len(weights.renames)} renamed" if weights.renames else ""
+    return (
+        f"weights: {len(assembled)} parameters assembled from {tensors} tensors of the file "
+        f"({', '.join(families)} checkpoint layout, transformers' conversion{renamed}); this "
+        f"rank reads {sum(r.nbytes for r in assembled)} bytes of them",
+    )
+
+
+def _converted(
+    conversion: Conversion,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    tensors: dict[str, WeightsTensor],
+    shard: tuple[int, int] | None,
+    keep: bool,
+) -> TensorRead:
+    """This rank's read of a parameter transformers assembles from several of the file's
+    tensors (its dim-0 shard, ``shard``: world, rank; or all of it)."""
+    node = tree(conversion, shape, tensors)
+    for source in conversion.sources:
+        for key in source.keys:
+            t = tensors[key]
+            if not can_cast(t.dtype, dtype):
+                _check_fits(t, name, t.shape, dtype)  # the dtype's error
+    rows = None
+    if shard is not None:
+        (count, *_), _ = shard_shape(shape, *shard)
+        rows = (chunk_rows(shape[0], shard[0]) * shard[1] if count else 0, count)
+    return converted_read(conversion, node, tensors, name=name, dtype=dtype, rows=rows, keep=keep)
+
+
+def _file_keys(names: Iterable[str], weights: WeightsSnapshot) -> set[str]:
+    """The file's keys that hold the model's tensors ``names`` (as the base model names them)."""
+    wanted = set(names)
+    keys = set(wanted)
+    keys.update(key for key, renamed in weights.renames if renamed in wanted)
+    for c in weights.conversions:
+        if c.target in wanted:
+            keys.update(k for source in c.sources for k in source.keys)
+    return keys
 
 
 def _same(name: str) -> str:

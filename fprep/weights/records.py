@@ -74,17 +74,54 @@ class WeightsFile:
 
 
 @dataclass(frozen=True)
+class ConvertedSource:
+    """One source pattern of a conversion and the file's tensors it matched for one parameter.
+
+    ``keys`` are in transformers' order (its natural sort of the names). ``experts`` holds the
+    number each key has where the pattern has ``*`` (``experts.3.up_proj.weight``: 3), or is
+    empty for a pattern without one; ``template`` is a key with ``{}`` in that place, to name
+    an expert the file lacks.
+    """
+
+    pattern: str
+    keys: tuple[str, ...]
+    experts: tuple[int, ...] = ()
+    template: str = ""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A parameter transformers assembles from several tensors of the file as it loads it.
+
+    ``target`` is the model's name; ``operations`` are transformers' operations, in order, as
+    ``(class name, dim)`` (``("MergeModulelist", 0)``: stack each source's tensors along 0;
+    ``("Concatenate", 1)``: concatenate the sources along 1). ``family`` is whose mapping it
+    is (the config's ``model_type``). Read by ``fprep.weights.converted``.
+    """
+
+    target: str
+    family: str
+    sources: tuple[ConvertedSource, ...]
+    operations: tuple[tuple[str, int | None], ...]
+
+
+@dataclass(frozen=True)
 class WeightsSnapshot:
     """The headers of every file of a pretrained checkpoint (``PrepConfig.weights``).
 
     ``files``: what the load checks did not change since; ``notes``: how an ambiguous
-    checkpoint was resolved (shown by ``fprep.summary``).
+    checkpoint was resolved (shown by ``fprep.summary``). For a transformers model whose
+    family converts its checkpoints as it loads them (``fprep.weights.hf_conversions``):
+    ``renames``, ``(file key, model name)`` pairs, and ``conversions``, the parameters
+    assembled from several of the file's tensors (mixture-of-experts experts).
     """
 
     source: str
     tensors: tuple[WeightsTensor, ...]
     files: tuple[WeightsFile, ...]
     notes: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    conversions: tuple[Conversion, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +139,33 @@ class TensorRead:
     #: The destination holds the model's own values (it was not on the meta device): they are
     #: kept aside before it is overwritten and put back if the load fails.
     keep: bool = False
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous byte range of a file, the next part of a ``ConvertedRead``."""
+
+    key: str
+    file: str
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ConvertedRead(TensorRead):
+    """A parameter assembled from several of the file's tensors: ``segments``, read one after
+    the other into this rank's part of it (``key``, ``file``, ``dtype``, ``offset``: the
+    first segment's; ``nbytes``: all of them)."""
+
+    segments: tuple[Segment, ...] = ()
+
+
+def elements(read: TensorRead) -> int:
+    """How many elements ``read`` fills."""
+    if isinstance(read, ConvertedRead):
+        return sum(s.nbytes // ITEMSIZE[s.dtype] for s in read.segments)
+    return read.nbytes // ITEMSIZE[read.dtype]
 
 
 @dataclass(frozen=True)
