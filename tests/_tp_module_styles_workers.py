@@ -368,3 +368,42 @@ def dp_tp_run(name: str, steps: int = STEPS, ckpt_dir: str | None = None) -> dic
         "placements": placements,
         "loaded": loaded,
     }
+
+
+def prepared_run(name: str, fields: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
+    """``fprep.prepare`` with ``PrepConfig(**fields)`` (the model's own tp plan), ``steps``
+    AdamW steps, each dp rank given its share of every batch: this rank's dp rank and
+    losses, the gradients (whole) of every step and the parameters after the last one."""
+    import fprep
+
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state, model, opt = fprep.prepare(model, fprep.PrepConfig(**fields), opt)
+    pg = state.process_group
+    assert pg is not None and state.core is not None
+    dp = pg.replicate_size * pg.shard_size if state.core.is_distributed else 1
+    dp_rank = 0
+    if state.core.is_distributed:
+        for coord, size in zip(pg.coordinate, pg.mesh_shape, strict=True):
+            dp_rank = dp_rank * size + coord
+    per = BATCH // dp
+    mine = slice(dp_rank * per, (dp_rank + 1) * per)
+    losses, grads = [], []
+    for step in range(steps):
+        loss = loss_of(model, batch(step)[mine])
+        fprep.backward(state, model, loss)  # FSDP2 averages the gradients over dp
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
+        fprep.optimizer_step(state, opt)
+        opt.zero_grad()
+        losses.append(loss.item())
+    tps = state.tensor_parallel
+    return {
+        "dp_rank": dp_rank,
+        "losses": losses,
+        "grads": grads,
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+        "placements": {
+            n: repr(tuple(p.placements)) for n, p in model.named_parameters() if "experts" in n
+        },
+        "notes": list(tps.notes) if tps is not None else [],
+    }

@@ -144,3 +144,33 @@ def test_bad_parameters_are_refused_before_any_change() -> None:
         with pytest.raises(ModelError, match=r"no parameter 'scale'.*it has: weight, bias"):
             parallelize_module(layer, mesh, missing)
         assert {n: p for n, p in layer.named_parameters()} == before  # nothing placed
+
+
+# -- through fprep.prepare: the plan's placements and behaviours applied with these styles ----
+def _prepared_equal_one_process(runs: list[dict[str, Any]], name: str) -> None:
+    want = W.trained_reference(name)
+    dp = len({r["dp_rank"] for r in runs})
+    for step in range(W.STEPS):  # the dp ranks' losses average to the whole batch's
+        mean = sum(r["losses"][step] for r in runs) / len(runs)
+        close(mean, torch.tensor(want["losses"][step]), f"step {step} loss (dp {dp})")
+    for rank, out in enumerate(runs):
+        for step in range(W.STEPS):
+            assert set(out["grads"][step]) == set(want["grads"][step])
+            for fqn, grad in want["grads"][step].items():
+                close(out["grads"][step][fqn], grad, f"rank {rank} step {step} {fqn}.grad")
+        for fqn, value in want["params"].items():
+            close(out["params"][fqn], value, f"rank {rank} {fqn} after {W.STEPS} steps")
+
+
+def test_prepare_qwen3_tp2_equals_one_process() -> None:
+    runs = run_ranks(W.prepared_run, 2, "qwen3", {"tp": 2}, timeout_s=600)
+    _prepared_equal_one_process(runs, "qwen3")
+
+
+def test_prepare_qwen3_moe_fsdp_dp2_tp2_equals_one_process() -> None:
+    runs = run_ranks(W.prepared_run, 4, "qwen3_moe", {"tp": 2, "strategy": "fsdp"}, timeout_s=600)
+    assert sorted(r["dp_rank"] for r in runs) == [0, 0, 1, 1]
+    assert runs[0]["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == repr(
+        (Shard(0), _StridedShard(1, split_factor=2))
+    )
+    _prepared_equal_one_process(runs, "qwen3_moe")
