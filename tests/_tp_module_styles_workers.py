@@ -5,6 +5,7 @@ Tiny transformers models whose own tp plans name the styles beyond colwise / row
 transformers expands it (one rule per module or parameter); colwise / rowwise modules get
 torch's styles (``fprep.apply.parallelize.torch_style``), every other module one
 ``ModuleStyle`` with its parameters' placements, as transformers' styles place them.
+``prepared_run`` goes through ``fprep.prepare`` instead (fprep's own plan of the model).
 """
 
 from __future__ import annotations

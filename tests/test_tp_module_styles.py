@@ -2,7 +2,8 @@
 (``fprep.apply.tp_module_styles``), applied with ``parallelize_module`` to tiny transformers
 models under their own plans, against one process: at tp 2 (2 gloo ranks) the loss and every
 parameter's gradient; at dp 2 x tp 2 (``fully_shard`` over dp on top, 4 ranks) two AdamW steps
-and a DCP round trip through ``fprep.apply.strided_dcp``."""
+and a DCP round trip through ``fprep.apply.strided_dcp``; and through ``fprep.prepare``, whose
+parallelize step applies the plan's behaviours and placements with these styles."""
 
 from __future__ import annotations
 
