@@ -198,8 +198,8 @@ def param_placement(kind: Kind, ndim: int, param_name: str, *, own_rule: bool) -
         if kind == "grad_sum":
             return Replicate()
         return None
-    if kind == "packed_colwise":
-        return StridedShard(0, 2) if param_name == "weight" else Shard(0)
+    if kind == "packed_colwise":  # the bias is packed like the weight's rows: (gate | up)
+        return StridedShard(0, 2)
     if kind == "packed_rowwise":
         return StridedShard(1, 2) if param_name == "weight" else Replicate()
     if kind == "grad_sum":

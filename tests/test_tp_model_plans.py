@@ -230,3 +230,33 @@ def test_weights_with_a_packed_parameter_under_tp_is_refused_by_name(tmp_path: A
     failure = fprep.plan(model, cfg, Topology(world_size=2)).failure()
     assert isinstance(failure, ConfigError) and failure.subject == "weights"
     assert "'gate_up.weight' is packed" in failure.message
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_checkpoints_of_a_packed_parameter_under_tp_are_refused_before_any_io(
+    what: str, tmp_path: Any
+) -> None:
+    """A rank's block of a packed parameter is two row ranges, which a checkpoint chunk (one
+    offset and size) cannot describe: torch's DCP refuses the save deep inside and fills the
+    wrong rows at load. fprep refuses both, naming the parameter, before touching a file."""
+    from fprep.errors import CheckpointError
+
+    state = tp_state(tiny_qwen3_moe()).unwrap()
+    call = fprep.save if what == "save" else fprep.load
+    with pytest.raises(CheckpointError) as info:
+        call(tmp_path / "ckpt", state, nn.Linear(1, 1))
+    assert info.value.subject == "model.layers.0.mlp.experts.gate_up_proj"
+    assert "export_full" in info.value.hint
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_packed_linear_cuts_its_bias_like_its_rows_and_packed_rowwise_names_parameters() -> None:
+    """The bias of a fused (gate | up) Linear is packed like the weight's rows, so each rank
+    holds the bias of its own output block; packed_rowwise on a module is refused."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(8, 8))
+    cfg = PrepConfig(strategy="fsdp", tp=2, tp_plan={"0": "packed_colwise", "1": "rowwise"})
+    placed = dict(tps_of(model, cfg).placements)
+    assert placed["0.weight"] == placed["0.bias"] == StridedShard(0, 2)
+    bad = PrepConfig(strategy="fsdp", tp=2, tp_plan={"0": "colwise", "1": "packed_rowwise"})
+    failure = tp_state(model, bad).failure()
+    assert isinstance(failure, ConfigError) and "lays out a fused parameter" in failure.message

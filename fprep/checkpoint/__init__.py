@@ -105,6 +105,7 @@ def save(
     from fprep.checkpoint.asynchronous import background
 
     refuse_expert_parallel(state, "fprep.save")
+    refuse_packed(state, "fprep.save")
     if not isinstance(wait, bool):
         raise CheckpointError(f"wait must be True or False; got {wait!r}.", subject="wait")
     from fprep.checkpoint.writing import SaveArgs
@@ -149,6 +150,7 @@ def load(
     from fprep.checkpoint.reading import load as _load
 
     refuse_expert_parallel(state, "fprep.load")
+    refuse_packed(state, "fprep.load")
     background.settle()  # a save in flight is published (or its failure raised) first
     with guarded("fprep.load", state.config.timeout_s):
         return _load(
@@ -192,6 +194,27 @@ def refuse_expert_parallel(state: PrepState, what: str) -> None:
         )
 
 
+def refuse_packed(state: PrepState, what: str) -> None:
+    """A packed parameter under tensor parallelism (``StridedShard`` on tp: each rank holds its
+    block of each half) is two separate row ranges on a rank, which the checkpoint's chunk
+    records (one offset and size per rank) cannot describe: saving it would fail deep inside,
+    and loading into it would fill the wrong rows. Refused on every rank alike before anything
+    is read or written; ``export_full`` / ``save_pretrained`` gather whole tensors and work."""
+    from fprep.layout.placements import StridedShard
+
+    tps = state.tensor_parallel
+    packed = [f for f, p in tps.placements if isinstance(p, StridedShard)] if tps else []
+    if packed:
+        raise CheckpointError(
+            f"{what} with tp={tps.size if tps else 1}: {packed[0]!r} is packed (its halves each "
+            "cut on their own over the tp ranks), which fprep's checkpoints do not record yet.",
+            subject=packed[0],
+            hint="Write the whole model with fprep.export_full / fprep.save_pretrained "
+            "(from_pretrained reads it back, and prepare then lays it out at any tp), or train "
+            "this model at tp=1 (fsdp shards it) where you need resumable checkpoints.",
+        )
+
+
 def __getattr__(name: str) -> Any:
     if name == "SaveHandle":  # imported on first use, like the functions' implementations
         from fprep.checkpoint.asynchronous.background import SaveHandle
@@ -207,5 +230,6 @@ __all__ = [
     "export_full",
     "load",
     "refuse_expert_parallel",
+    "refuse_packed",
     "save",
 ]

@@ -52,8 +52,8 @@ def _weights(state: PrepState, sharded: bool) -> WeightsPlan | None:
             f"weights= with tp={tps.size}: {packed[0]!r} is packed (its halves each cut on their "
             "own over the tp ranks), which fprep does not read from a file yet.",
             subject="weights",
-            hint="Load the weights at tp=1 (fsdp shards them without tp) and save a checkpoint "
-            "with fprep.save, which loads at any tp.",
+            hint="Load them at tp=1 (fsdp shards them without tp), or build the model with "
+            "from_pretrained and prepare it without weights= (prepare lays the values out).",
         )
     return tp_weights(plan, snapshot, dict(tps.params), tps.size, tps.rank, shard)
 

@@ -238,7 +238,16 @@ def _placements(
     own = dict(rules.params)
     for fqn, name in rules.modules:
         style = STYLES[name]
-        if style.shards_params or style.kind == "packed_rowwise":
+        if style.kind == "packed_rowwise":
+            raise ConfigError(
+                f"tp plan gives the module {fqn!r} the style {name!r}, which lays out a fused "
+                "parameter (Llama 4's experts' gate_up_proj); on a module it would cut its "
+                "weights with no forward to match.",
+                subject="tp_plan",
+                hint="Name the parameter itself, inside a module with 'moe_tp_experts' or "
+                "'local_params'.",
+            )
+        if style.shards_params:
             if any(is_within(fqn, m) for m in ignored.modules):
                 raise ConfigError(
                     f"PrepConfig.tp_plan shards {fqn!r}, which is ignored (kept whole on every "
