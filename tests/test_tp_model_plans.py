@@ -5,7 +5,7 @@ style are tests/test_tp_module_styles.py's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -260,3 +260,59 @@ def test_a_packed_linear_cuts_its_bias_like_its_rows_and_packed_rowwise_names_pa
     bad = PrepConfig(strategy="fsdp", tp=2, tp_plan={"0": "colwise", "1": "packed_rowwise"})
     failure = tp_state(model, bad).failure()
     assert isinstance(failure, ConfigError) and "lays out a fused parameter" in failure.message
+
+
+class NormedEmbedding(nn.Embedding):
+    """Inkling's embedding: a norm inside the embedding module."""
+
+    def __init__(self) -> None:
+        super().__init__(16, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(super().forward(x))
+
+
+class FusedExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(2, 8, 8))
+        self.down_proj = nn.Parameter(torch.empty(2, 8, 4))
+
+
+class Inklingish(nn.Module):
+    _tp_plan: ClassVar[dict[str, str]] = {
+        "embed": "embedding_rowwise",
+        "experts.gate_up_proj": "colwise",
+        "experts.down_proj": "rowwise",
+        "experts": "moe_tp_experts",
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = NormedEmbedding()
+        self.experts = FusedExperts()
+
+
+def test_a_models_plan_that_would_break_is_fixed_and_noted() -> None:
+    """Inkling's own plan: its normed embedding kept whole (torch's style would cut the norm
+    too), its fused gate_up_proj 'colwise' planned packed (the forward splits each rank's block
+    into gate and up); both said in the notes."""
+    tps = tps_of(Inklingish())
+    assert "embed" not in dict(tps.modules)
+    assert dict(tps.param_rules)["experts.gate_up_proj"] == "packed_colwise"
+    assert dict(tps.placements)["experts.gate_up_proj"] == StridedShard(1, 2)
+    assert any("kept whole" in n and "embed (embed.norm.weight)" in n for n in tps.notes)
+    assert any("planned 'packed_colwise'" in n for n in tps.notes)
+
+
+@pytest.mark.parametrize(
+    ("plan", "culprit"),
+    [
+        ({"embed": "embedding_rowwise"}, "besides its weight"),
+        ({"experts.gate_up_proj": "colwise", "experts": "moe_tp_experts"}, "gate rows"),
+    ],
+)
+def test_the_same_in_a_users_plan_is_refused(plan: dict[str, str], culprit: str) -> None:
+    failure = tp_state(Inklingish(), PrepConfig(strategy="fsdp", tp=2, tp_plan=plan)).failure()
+    assert isinstance(failure, ConfigError) and culprit in failure.message

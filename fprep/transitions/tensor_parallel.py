@@ -377,6 +377,76 @@ def _check_compile(compile_mode: str, checkpointing: bool, tp: int) -> None:
         )
 
 
+def _extra_params(tree: ModuleTree, fqn: str) -> list[str]:
+    """Parameters under module ``fqn`` other than its own ``weight`` and ``bias``: torch's
+    Linear / Embedding styles would cut them too, and their output hooks would run after
+    whatever those parameters do (a norm inside an embedding module)."""
+    return [
+        join_fqn(m.fqn, n)
+        for m in tree.modules
+        if is_within(m.fqn, fqn)
+        for n in m.param_names
+        if m.fqn != fqn or n not in ("weight", "bias")
+    ]
+
+
+def _own_plan_fixes(tree: ModuleTree, rules: Rules, strict: bool, notes: list[str]) -> Rules:
+    """Two places where a model's own plan would break, checked for every plan:
+
+    * a Linear / Embedding style on a module holding more than its weight and bias
+      (Inkling's normed embedding): a user's plan is refused, a model's keeps the module whole;
+    * ``colwise`` on a fused ``gate_up_proj`` parameter (Inkling's experts), which would give one
+      rank every gate row and another every up row while the forward splits each rank's block
+      in halves: a model's plan gets ``packed_colwise`` instead (each half cut on its own), a
+      user's plan is refused.
+    Each change to a model's plan is listed in the notes, once per kind."""
+    modules: list[tuple[str, str]] = []
+    whole: list[str] = []
+    for fqn, name in rules.modules:
+        extra = _extra_params(tree, fqn) if STYLES[name].kind in ("colwise", "rowwise") else []
+        if not extra:
+            modules.append((fqn, name))
+            continue
+        if strict:
+            raise ConfigError(
+                f"PrepConfig.tp_plan: {fqn!r} holds {extra[0]!r} besides its weight: the style "
+                f"{name!r} (torch's Linear / Embedding styles) would cut it too and run its "
+                "hooks around it.",
+                subject="tp_plan",
+                hint=f"Name the Linear / Embedding inside {fqn!r}, or leave it whole.",
+            )
+        whole.append(f"{fqn} ({extra[0]})")
+    params: list[tuple[str, str]] = []
+    repacked: list[str] = []
+    for fqn, name in rules.params:
+        if name != "colwise" or fqn.rpartition(".")[2] != "gate_up_proj":
+            params.append((fqn, name))
+            continue
+        if strict:
+            raise ConfigError(
+                f"PrepConfig.tp_plan: 'colwise' on the fused {fqn!r} would give one tp rank the "
+                "gate rows and another the up rows, while the forward splits each rank's block "
+                "into gate and up.",
+                subject="tp_plan",
+                hint="Use 'packed_colwise', which cuts each half on its own.",
+            )
+        repacked.append(fqn)
+        params.append((fqn, "packed_colwise"))
+    if whole:
+        notes.append(
+            f"the model's plan gives {len(whole)} module(s) a Linear / Embedding style though "
+            f"they hold more than a weight and bias (first: {whole[0]}); kept whole on every tp "
+            "rank."
+        )
+    if repacked:
+        notes.append(
+            f"the model's plan gives 'colwise' to {len(repacked)} fused gate_up_proj "
+            f"parameter(s) (first: {repacked[0]}), which would put the gate rows and the up rows "
+            "on different tp ranks; planned 'packed_colwise' (each half cut on its own)."
+        )
+    return Rules(modules=tuple(modules), params=tuple(params), skipped=rules.skipped)
+
+
 def _check_sequence_parallel(rules: Rules) -> None:
     """Sequence parallelism plans the Linear styles only: a behaviour or a parameter rule
     would meet sequence-sharded activations no one has checked it against."""
@@ -425,7 +495,8 @@ def plan_tensor_parallel(
             enters=pipe is None or pipe.holds_first,
             leaves=pipe is None or pipe.holds_last,
         )
-    rules = Rules(modules=modules, params=rules.params)
+    rules = _own_plan_fixes(tree, Rules(modules=modules, params=rules.params), strict, notes)
+    modules = rules.modules
     placements, dropped = _placements(tree, rules, tp, ignored, strict=strict, notes=notes)
     if dropped:
         modules = tuple((f, n) for f, n in modules if f not in dropped)
