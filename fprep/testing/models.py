@@ -216,12 +216,13 @@ class FeedForward(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm transformer block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+    """Pre-norm transformer block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``;
+    ``feed_forward`` replaces the SwiGLU (``MoEBlock`` passes its routed experts)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, feed_forward: nn.Module | None = None) -> None:
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(config)
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
 
@@ -476,20 +477,11 @@ class MoEFeedForward(nn.Module):
         return out
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(LlamaBlock):
     """A ``LlamaBlock`` whose feed-forward is ``MoEFeedForward``."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.attention = Attention(config)
-        self.feed_forward = MoEFeedForward(config)
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
-        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
-        return out
+        super().__init__(config, MoEFeedForward(config))
 
 
 class MoE(nn.Module):
