@@ -637,7 +637,7 @@ def _check_weights(cfg: PrepConfig) -> None:
 def _normalize_tp_plan(value: object) -> Any:
     """``{pattern: style}`` as sorted ``(pattern, style)`` pairs (hashable); each style checked
     against the vocabulary here, the patterns against the model while planning."""
-    from fprep.tp_styles import check_style
+    from fprep.layout.styles import check_style
 
     if value is None:
         return None
@@ -660,7 +660,7 @@ def _normalize_tp_plan(value: object) -> Any:
 
 
 def _check_sequence_parallel(cfg: PrepConfig) -> None:
-    from fprep.tp_styles import SEQUENCE_ONLY
+    from fprep.layout.styles import SEQUENCE_ONLY
 
     if cfg.sequence_parallel and cfg.tp == 1:
         raise _fail(

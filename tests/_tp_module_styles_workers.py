@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from fprep.apply.parallelize import torch_style
 from fprep.apply.strided_dcp import copy_back, dcp_blocks
 from fprep.apply.tp_module_styles import BEHAVIOURS, ModuleStyle
-from fprep.tp_styles import STYLES
+from fprep.layout.styles import STYLES
 
 SEED = 3
 VOCAB = 64

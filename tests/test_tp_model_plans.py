@@ -18,9 +18,9 @@ import fprep
 from fprep import ConfigError, PrepConfig, Topology
 from fprep.apply.placements import to_torch
 from fprep.layout import Replicate, Shard, StridedShard
+from fprep.layout.styles import STYLES, param_placement
 from fprep.state import TensorParallelState
 from fprep.testing.distributed import fake_world
-from fprep.tp_styles import STYLES, param_placement
 
 
 def tiny_qwen3_moe(**extra: Any) -> nn.Module:

@@ -2,7 +2,7 @@
 
 Runs before checkpointing, compilation and sharding (torchtitan's order: TP, then activation
 checkpointing, compile, FSDP2), on the tp sub-mesh connect built. Each planned Linear /
-Embedding gets the torch style its name maps to (``fprep.tp_styles``); every other module the
+Embedding gets the torch style its name maps to (``fprep.layout.styles``); every other module the
 plan gives a behaviour or whose parameters rules of their own place (transformers' packed,
 mixture-of-experts, latent-attention, local-parameter styles) gets one ``ModuleStyle``
 (``fprep.apply.tp_module_styles``) with its parameters' planned placements
@@ -25,10 +25,10 @@ from fprep.apply.shard import carry_param_attributes, param_attributes
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.apply.tp_ties import retie
 from fprep.compat import float8_api, float8_tp_styles
+from fprep.layout.styles import STYLES, Style
 from fprep.parallel_loop import LabelsNeedLossParallel
 from fprep.state import PrepState, TensorParallelState, need
 from fprep.tp_inputs import FirstInputsCheck
-from fprep.tp_styles import STYLES, Style
 
 
 def torch_style(style: Style, float8: tuple[Any, Any] | None = None) -> Any:

@@ -25,9 +25,9 @@ from fprep.apply.kv_cache import compile_without_cache
 from fprep.apply.recompute import checkpoint_of, install_checkpoint
 from fprep.apply.steps import handles_of, skipped, step
 from fprep.errors import PrepareError
+from fprep.layout.styles import STYLES
 from fprep.snapshot import is_within
 from fprep.state import PrepState, need
-from fprep.tp_styles import STYLES
 
 _COMPILED_ATTR = "_fprep_compiled"
 

@@ -1,4 +1,5 @@
-"""Pure layout math: the N-D mesh record, typed placements and the pipeline stage split.
+"""Pure layout math: the N-D mesh record, typed placements, the tensor-parallel styles, the
+pipeline stage split and the expert placement.
 
 Nothing here imports torch's distributed runtime or touches tensor data; the modules depend only
 on ``fprep.errors`` and the standard library, so every transition may use them.

@@ -23,6 +23,7 @@ from typing import Literal
 from fprep.config import EP_STYLES, PrepConfig
 from fprep.errors import ConfigError, ModelError
 from fprep.layout.experts import ExpertLayout, divisors
+from fprep.layout.styles import pattern_regex
 from fprep.snapshot import ModuleInfo, ModuleTree, dtype_bytes, join_fqn
 from fprep.state import (
     ExpertModule,
@@ -31,7 +32,6 @@ from fprep.state import (
     PrepState,
     need,
 )
-from fprep.tp_styles import pattern_regex
 from fprep.transitions._base import transition
 
 DISPATCH = "ep_dispatch_experts"

@@ -20,8 +20,8 @@ naming the module, before any effect.
 from __future__ import annotations
 
 from fprep.errors import ConfigError
+from fprep.layout.styles import SEQUENCE_VARIANTS, STYLES
 from fprep.snapshot import ModuleInfo, ModuleTree, is_within, parent_fqn
-from fprep.tp_styles import SEQUENCE_VARIANTS, STYLES
 
 #: styles a sequence-parallel layout can hold, beside the ones it adds
 _IN_REGION = ("colwise", "rowwise")

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from fprep.adapters import AdapterLayout
 from fprep.errors import ConfigError, ModelError
 from fprep.layout.placements import Placement, Replicate, Shard, StridedShard
-from fprep.snapshot import ModuleTree, is_within, join_fqn
-from fprep.state import Fp8Plan, IgnoredState, PrepState, ProcessGroupState, TensorParallelState
-from fprep.tp_styles import (
+from fprep.layout.styles import (
     BEHAVIOURS,
     REFUSED,
     RUNS_LOCAL,
@@ -31,6 +29,8 @@ from fprep.tp_styles import (
     pattern_regex,
     tp_dim,
 )
+from fprep.snapshot import ModuleTree, is_within, join_fqn
+from fprep.state import Fp8Plan, IgnoredState, PrepState, ProcessGroupState, TensorParallelState
 from fprep.transitions.fp8 import FP8_DIM_MULTIPLE
 from fprep.transitions.sequence_parallel import plan_sequence_parallel
 
